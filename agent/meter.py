@@ -1,0 +1,44 @@
+"""One sample of GPU memory: per GPU, and per managed container from the processes NVML lists."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from agent.gpus import Device, GpuSource
+from agent.runtime import Runtime
+from wire.protocol import GpuSample
+
+
+@dataclass
+class Sample:
+    """What one full look at the GPUs found."""
+
+    gpus: list[GpuSample]
+    #: grant → GPU uuid → bytes used by that container's processes on that GPU
+    usage: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: grant → GPU uuid → host pids using that GPU (to re-check ownership before acting)
+    pids: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+
+
+def take_sample(source: GpuSource, devices: list[Device], runtime: Runtime) -> Sample:
+    """Read every GPU's used memory and processes and attribute each process to its container.
+
+    Memory used by anything that is not a managed container (other processes, the driver) is
+    ``memory_unmanaged``: the manager subtracts it from what it may grant.
+    """
+    usage: dict[str, dict[str, int]] = defaultdict(dict)
+    pids: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    gpus = []
+    for device in devices:
+        used = source.memory_used(device.uuid)
+        managed_bytes = 0
+        for proc in source.processes(device.uuid):
+            owner = runtime.owner_of(proc.pid)
+            if owner is None:
+                continue
+            usage[owner.grant][device.uuid] = usage[owner.grant].get(device.uuid, 0) + proc.used
+            pids[owner.grant][device.uuid].append(proc.pid)
+            managed_bytes += proc.used
+        gpus.append(GpuSample(uuid=device.uuid, memory_used=used, memory_unmanaged=max(0, used - managed_bytes)))
+    return Sample(gpus, dict(usage), {g: dict(p) for g, p in pids.items()})

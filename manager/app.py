@@ -1,0 +1,57 @@
+"""The Flask app factory: blueprints, auth, and the one JSON error handler."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from flask import Flask, Response, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from manager import api
+from manager.service import Manager
+from wire.errors import GpumgrError
+
+OPEN_PATHS = frozenset({"/healthz"})
+
+
+def create_app(manager: Manager, test_config: dict[str, Any] | None = None) -> Flask:
+    """Build the REST app around a started or unstarted ``manager``."""
+    app = Flask("gpumgr")
+    app.config.update(JSON_SORT_KEYS=False, MAX_CONTENT_LENGTH=1024 * 1024)
+    app.json.sort_keys = False
+    app.config.update(test_config or {})
+    app.extensions["gpumgr.manager"] = manager
+    app.register_blueprint(api.bp)
+    app.add_url_rule("/healthz", "healthz", lambda: healthz(manager))
+    app.before_request(lambda: _authorize(manager.settings.token))
+    app.register_error_handler(GpumgrError, _gpumgr_error)
+    app.register_error_handler(HTTPException, _http_error)
+    return app
+
+
+def healthz(manager: Manager) -> Response:
+    """Liveness plus a short summary: is the manager serving, and how many nodes are ready."""
+    return jsonify({"status": "ok", "nodes_ready": manager.cluster.ready_nodes()})
+
+
+def _authorize(token: str | None) -> tuple[Response, int] | None:
+    if token is None or request.path in OPEN_PATHS:
+        return None
+    given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    if hmac.compare_digest(given.encode(), token.encode()):
+        return None
+    return _error("unauthorized", "send 'Authorization: Bearer <token>' with the manager's token", 401)
+
+
+def _gpumgr_error(exc: GpumgrError) -> tuple[Response, int]:
+    return _error(exc.code, exc.message, exc.status)
+
+
+def _http_error(exc: HTTPException) -> tuple[Response, int]:
+    code = (exc.name or "error").lower().replace(" ", "_")
+    return _error(code, exc.description or exc.name, exc.code or 500)
+
+
+def _error(code: str, message: str, status: int) -> tuple[Response, int]:
+    return jsonify({"error": {"code": code, "message": message}}), status

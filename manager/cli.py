@@ -1,0 +1,198 @@
+"""The ``gpumgr`` command: ``manager``, ``agent`` and ``up`` (both on one machine)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from agent.config import AgentSettings
+from manager.config import ManagerSettings
+from wire import defaults
+from wire.config import load_settings, split_hostport
+
+log = logging.getLogger("gpumgr")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``gpumgr`` console command."""
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValidationError, ValueError, OSError) as exc:
+        print(f"gpumgr: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpumgr", description="GPU manager for Docker Engine and Docker Swarm.")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+    manager = sub.add_parser("manager", help="run the manager (REST API + agent link)")
+    _manager_flags(manager, config_flag="--config")
+    manager.set_defaults(func=run_manager_command)
+    agent = sub.add_parser("agent", help="run an agent on this host")
+    _agent_flags(agent, config_flag="--config")
+    agent.set_defaults(func=run_agent_command)
+    up = sub.add_parser("up", help="run a manager and a local agent together on this machine")
+    _manager_flags(up, config_flag="--manager-config")
+    _agent_flags(up, config_flag="--agent-config", with_endpoint=False)
+    up.set_defaults(func=run_up_command)
+    from plugin.cli import add_plugin_commands
+
+    add_plugin_commands(sub)
+    return parser
+
+
+def _manager_flags(parser: argparse.ArgumentParser, config_flag: str) -> None:
+    parser.add_argument(config_flag, dest="manager_config", metavar="FILE", help="manager YAML settings")
+    parser.add_argument("--api", help=f"REST API HOST:PORT (default {defaults.API_HOST}:{defaults.API_PORT})")
+    parser.add_argument("--agents", help=f"ZeroMQ endpoint agents connect to (default {defaults.AGENTS_ENDPOINT})")
+    parser.add_argument("--token", help="bearer token required on the REST API (needed beyond loopback)")
+    parser.add_argument("--placement", choices=["spread", "binpack"], help="default placement policy")
+    parser.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING, ...")
+
+
+def _agent_flags(parser: argparse.ArgumentParser, config_flag: str, with_endpoint: bool = True) -> None:
+    parser.add_argument(config_flag, dest="agent_config", metavar="FILE", help="agent YAML settings")
+    if with_endpoint:
+        parser.add_argument("--manager", help=f"manager's agent endpoint (default {defaults.AGENTS_ENDPOINT})")
+        parser.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING, ...")
+    parser.add_argument("--node", help="node name (default: the host name)")
+    parser.add_argument("--gpus", help="auto | nvml | sim:SPEC, e.g. sim:2x24GiB or sim:1x8GiB,1x24GiB")
+    parser.add_argument("--runtime", choices=["auto", "docker", "process"], help="where containers run")
+
+
+def manager_settings(args: argparse.Namespace) -> ManagerSettings:
+    """Manager settings from the parsed flags, the environment and the YAML file."""
+    return load_settings(ManagerSettings, _existing(args.manager_config), api=args.api, agents=args.agents,
+                         token=args.token, placement=args.placement, log_level=args.log_level)
+
+
+def agent_settings(args: argparse.Namespace, manager: str | None = None) -> AgentSettings:
+    """Agent settings from the parsed flags, the environment and the YAML file."""
+    return load_settings(AgentSettings, _existing(args.agent_config), manager=manager or getattr(args, "manager", None),
+                         node=args.node, gpus=args.gpus, runtime=args.runtime,
+                         log_level=getattr(args, "log_level", None))
+
+
+def run_manager_command(args: argparse.Namespace) -> int:
+    """``gpumgr manager``."""
+    settings = manager_settings(args)
+    _logging(settings.log_level)
+    server, manager = start_manager(settings)
+    _serve_until_signal(server, manager)
+    return 0
+
+
+def run_agent_command(args: argparse.Namespace) -> int:
+    """``gpumgr agent``."""
+    settings = agent_settings(args)
+    _logging(settings.log_level)
+    agent = build_agent(settings)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: agent.stop())
+    print(f"gpumgr agent {settings.node}: {len(agent.devices)} {agent.source.kind} GPU(s), "
+          f"{agent.runtime.kind} runtime, manager {settings.manager}", flush=True)
+    try:
+        agent.run()
+    finally:
+        agent.runtime.close()
+        agent.source.close()
+    return 0
+
+
+def run_up_command(args: argparse.Namespace) -> int:
+    """``gpumgr up``: a manager and one local agent in this process."""
+    settings = manager_settings(args)
+    _logging(settings.log_level)
+    server, manager = start_manager(settings)
+    agent = build_agent(agent_settings(args, manager=manager.link.bound_endpoint))
+    thread = threading.Thread(target=agent.run, name="agent", daemon=True)
+    thread.start()
+    print(f"gpumgr up: local agent {agent.node} with {len(agent.devices)} {agent.source.kind} GPU(s) "
+          f"and the {agent.runtime.kind} runtime", flush=True)
+    try:
+        _serve_until_signal(server, manager)
+    finally:
+        agent.stop()
+        thread.join(5)
+        agent.runtime.close()
+    return 0
+
+
+def start_manager(settings: ManagerSettings) -> tuple[Any, Any]:
+    """Start the manager's link and build (not run) its WSGI server; refuses an open API without a token."""
+    from waitress import create_server
+
+    from manager.app import create_app
+    from manager.service import Manager
+
+    host, port = split_hostport(settings.api, defaults.API_PORT)
+    if settings.token is None and not _is_loopback(host):
+        raise ValueError(f"the API on {host} would let anyone start containers: set a token (--token or GPUMGR_TOKEN)"
+                         " or listen on loopback")
+    manager = Manager(settings)
+    manager.start()
+    server = create_server(create_app(manager), host=host, port=port, threads=settings.threads, ident="gpumgr")
+    print(f"gpumgr manager: API on http://{host}:{server.effective_port}, agents on {manager.link.bound_endpoint}",
+          flush=True)
+    return server, manager
+
+
+def build_agent(settings: AgentSettings) -> Any:
+    """Open the GPU source and the runtime and wire them into an agent."""
+    from agent.agent import Agent, build_runtime
+    from agent.gpus import open_source
+
+    source = open_source(settings.gpus, seed=settings.node)
+    holder: list[Agent] = []
+    runtime = build_runtime(settings.runtime, lambda m: holder[0].report_exit(m), network_mode=settings.network_mode,
+                            device_requests=settings.device_requests, gpu_kind=source.kind,
+                            log_dir=settings.process_log_dir)
+    agent = Agent(settings.node, settings.manager, source, runtime, heartbeat_interval=settings.heartbeat_interval)
+    holder.append(agent)
+    return agent
+
+
+def _serve_until_signal(server: Any, manager: Any) -> None:
+    def shutdown(*_: Any) -> None:
+        server.close()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, shutdown)
+    try:
+        server.run()
+    except OSError:
+        pass  # closing the listening socket from the signal handler ends run() this way
+    finally:
+        manager.stop()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _existing(path: str | None) -> str | None:
+    if path is not None and not Path(path).is_file():
+        raise ValueError(f"config file {path} does not exist")
+    return path
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,383 @@
+"""The manager's in-memory truth: nodes × GPUs × memory, and the containers holding grants.
+
+One lock guards everything here and nothing here does I/O, so every method is short and can be
+called from the REST threads and the link thread alike. A *grant* is the memory a container in
+state ``creating`` or ``running`` holds on each of its GPUs; it is recorded before any agent is
+told, so two requests can never be handed the same bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from manager.events import EventLog, EventType
+from manager.scheduler import FreeIndex, GpuSlot, Request, place
+from wire import defaults
+from wire.errors import NotFound
+from wire.protocol import ContainerReport, GpuInfo, GpuSample
+from wire.units import format_bytes
+
+log = logging.getLogger(__name__)
+
+
+class State(StrEnum):
+    """A container's life as the manager records it."""
+
+    CREATING = "creating"
+    RUNNING = "running"
+    EXITED = "exited"
+    KILLED = "killed"
+    FAILED = "failed"
+    REMOVED = "removed"
+
+
+LIVE = frozenset({State.CREATING, State.RUNNING})
+
+
+@dataclass(eq=False)
+class Gpu(GpuSlot):
+    """A GPU on the map: the scheduler's slot plus what the API shows."""
+
+    name: str = ""
+    used: int = 0
+    holders: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Node:
+    """A host with an agent."""
+
+    name: str
+    routing_id: bytes
+    runtime: str
+    gpus: list[Gpu]
+    ready: bool = True
+    last_seen: float = field(default_factory=time.time)
+    last_seen_mono: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Container:
+    """The manager's record of one container and its grant."""
+
+    id: str
+    name: str
+    node: str
+    gpus: list[str]
+    gpu_memory: int
+    image: str | None = None
+    command: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    on_overrun: str = "kill"
+    state: State = State.CREATING
+    container_id: str | None = None
+    exit_code: int | None = None
+    reason: str | None = None
+    created_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    """A validated request to run a container (see the REST API)."""
+
+    memory: int
+    count: int
+    placement: str
+    image: str | None
+    command: list[str]
+    name: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    node: str | None = None
+    on_overrun: str = "kill"
+
+
+class Cluster:
+    """Nodes, GPUs and grants; see the module docstring for the rules."""
+
+    def __init__(self, events: EventLog | None = None, *, headroom: int = 0,
+                 down_after: float = defaults.NODE_DOWN_AFTER) -> None:
+        self.events = events or EventLog()
+        self.headroom = headroom
+        self.down_after = down_after
+        self._lock = threading.RLock()
+        self._index = FreeIndex()
+        self._nodes: dict[str, Node] = {}
+        self._gpus: dict[str, Gpu] = {}
+        self._containers: dict[str, Container] = {}
+        self._finished: deque[str] = deque()
+
+    # --- nodes -------------------------------------------------------------------------------
+    def register(self, name: str, routing_id: bytes, runtime: str, gpus: list[GpuInfo],
+                 containers: list[ContainerReport]) -> list[str]:
+        """Add or refresh a node with its GPUs and adopt its containers; return grants to remove there."""
+        with self._lock:
+            node = self._nodes.get(name)
+            if node is not None:
+                self._set_ready(node, False, quiet=True)
+            node = Node(name, routing_id, runtime, [self._gpu_for(name, info) for info in gpus])
+            self._nodes[name] = node
+            self._set_ready(node, True)
+            return self._reconcile(node, containers)
+
+    def heartbeat(self, name: str, routing_id: bytes, samples: list[GpuSample],
+                  containers: list[ContainerReport]) -> list[str] | None:
+        """Take one heartbeat; return grants to remove on that node, or None if the node is unknown."""
+        with self._lock:
+            node = self._nodes.get(name)
+            if node is None:
+                return None
+            node.routing_id, node.last_seen, node.last_seen_mono = routing_id, time.time(), time.monotonic()
+            if not node.ready:
+                self._set_ready(node, True)
+            for sample in samples:
+                gpu = self._gpus.get(sample.uuid)
+                if gpu is not None and gpu.node == name:
+                    gpu.used, gpu.unmanaged = sample.memory_used, sample.memory_unmanaged
+                    self._index.update(gpu)
+            return self._reconcile(node, containers)
+
+    def sweep(self, now: float | None = None) -> list[str]:
+        """Mark nodes silent for longer than ``down_after`` as down; return their names."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            stale = [n for n in self._nodes.values() if n.ready and now - n.last_seen_mono > self.down_after]
+            for node in stale:
+                self._set_ready(node, False)
+            return [n.name for n in stale]
+
+    def routing_id(self, name: str) -> bytes:
+        """Where the link reaches ``name``'s agent."""
+        with self._lock:
+            return self._nodes[name].routing_id
+
+    def node_ready(self, name: str) -> bool:
+        """Whether ``name`` is registered and heartbeating."""
+        with self._lock:
+            node = self._nodes.get(name)
+            return node is not None and node.ready
+
+    # --- grants ------------------------------------------------------------------------------
+    def reserve(self, spec: PlacementSpec) -> Container:
+        """Choose GPUs for ``spec`` and grant the memory at once; the record starts as ``creating``."""
+        from manager.scheduler import Placement
+
+        request = Request(spec.memory, spec.count, spec.node, Placement(spec.placement))
+        with self._lock:
+            slots = place(self._index, request)
+            cid = uuid.uuid4().hex[:16]
+            record = Container(
+                id=cid, name=spec.name or f"gpumgr-{cid}", node=slots[0].node, gpus=[s.uuid for s in slots],
+                gpu_memory=spec.memory, image=spec.image, command=list(spec.command), env=dict(spec.env),
+                labels=dict(spec.labels), on_overrun=spec.on_overrun,
+            )
+            self._containers[cid] = record
+            self._grant(record)
+        self.events.record(EventType.PLACED, f"{format_bytes(spec.memory)} on {', '.join(record.gpus)}",
+                           node=record.node, container=cid)
+        return record
+
+    def started(self, cid: str, report: ContainerReport) -> Container:
+        """The agent created and started ``cid``."""
+        with self._lock:
+            record = self._get(cid)
+            record.container_id = report.container_id
+            if record.state is State.CREATING:
+                record.state = State.RUNNING
+        self.events.record(EventType.STARTED, f"container {report.container_id[:12]} running",
+                           node=record.node, container=cid)
+        return record
+
+    def finish(self, cid: str, state: State, *, reason: str | None = None, exit_code: int | None = None,
+               detail: dict[str, Any] | None = None) -> Container:
+        """Move ``cid`` to a final state and free its grant if it still held one."""
+        with self._lock:
+            record = self._get(cid)
+            self._finish(record, state, reason, exit_code, detail or {})
+            return record
+
+    def fail(self, cid: str, reason: str) -> Container:
+        """Creation failed: free the grant and keep the reason."""
+        return self.finish(cid, State.FAILED, reason=reason)
+
+    # --- reads -------------------------------------------------------------------------------
+    def get(self, cid: str) -> Container:
+        """The record of ``cid``; raises NotFound."""
+        with self._lock:
+            return self._get(cid)
+
+    def containers(self, state: str | None = None, node: str | None = None) -> list[Container]:
+        """Records, oldest first, optionally filtered."""
+        with self._lock:
+            return [c for c in self._containers.values()
+                    if (state is None or c.state == state) and (node is None or c.node == node)]
+
+    def view(self, record: Container) -> dict[str, Any]:
+        """``record`` as the REST API shows it, with each GPU's index and name."""
+        with self._lock:
+            refs = {u: {"uuid": u, "index": g.index, "name": g.name} for u in record.gpus if (g := self._gpus.get(u))}
+            return container_view(record, refs)
+
+    def nodes_view(self) -> list[dict[str, Any]]:
+        """The machine × GPU map as ``GET /v1/nodes`` shows it."""
+        with self._lock:
+            return [self._node_view(n) for n in self._nodes.values()]
+
+    def needs_image(self) -> bool:
+        """True when every ready node runs Docker, so a request without an image cannot run anywhere."""
+        with self._lock:
+            runtimes = {n.runtime for n in self._nodes.values() if n.ready}
+            return bool(runtimes) and runtimes <= {"docker"}
+
+    def ready_nodes(self) -> int:
+        """How many nodes are ready."""
+        with self._lock:
+            return sum(1 for n in self._nodes.values() if n.ready)
+
+    # --- internals ---------------------------------------------------------------------------
+    def _get(self, cid: str) -> Container:
+        record = self._containers.get(cid)
+        if record is None:
+            raise NotFound(f"no container with id {cid!r}")
+        return record
+
+    def _gpu_for(self, node: str, info: GpuInfo) -> Gpu:
+        gpu = self._gpus.get(info.uuid)
+        if gpu is None or gpu.node != node:
+            gpu = Gpu(info.uuid, node, info.index, info.memory_total, headroom=self.headroom, name=info.name)
+            self._gpus[info.uuid] = gpu
+        gpu.index, gpu.total, gpu.name = info.index, info.memory_total, info.name
+        return gpu
+
+    def _set_ready(self, node: Node, ready: bool, *, quiet: bool = False) -> None:
+        node.ready = ready
+        for gpu in node.gpus:
+            (self._index.add if ready and gpu not in self._index else self._index.discard)(gpu)
+        if not quiet:
+            kind = EventType.NODE_UP if ready else EventType.NODE_DOWN
+            self.events.record(kind, f"node {node.name} is {'ready' if ready else 'down'}", node=node.name)
+
+    def _grant(self, record: Container) -> None:
+        for uid in record.gpus:
+            gpu = self._gpus[uid]
+            gpu.reserved += record.gpu_memory
+            gpu.holders.add(record.id)
+            self._index.update(gpu)
+
+    def _release(self, record: Container) -> None:
+        for uid in record.gpus:
+            gpu = self._gpus.get(uid)
+            if gpu is not None and record.id in gpu.holders:
+                gpu.reserved -= record.gpu_memory
+                gpu.holders.discard(record.id)
+                self._index.update(gpu)
+
+    def _finish(self, record: Container, state: State, reason: str | None, exit_code: int | None,
+                detail: dict[str, Any]) -> None:
+        was_live = record.state in LIVE
+        if was_live:
+            self._release(record)
+        if state is State.REMOVED or was_live or record.state is State.EXITED:
+            record.state = state
+        record.reason = reason or record.reason
+        record.exit_code = exit_code if exit_code is not None else record.exit_code
+        record.detail.update(detail)
+        record.finished_at = record.finished_at or time.time()
+        self._finished.append(record.id)
+        self._forget_oldest()
+        kind = {State.KILLED: EventType.KILLED, State.FAILED: EventType.FAILED,
+                State.REMOVED: EventType.REMOVED}.get(state, EventType.EXITED)
+        text = f"{state}" + (f": {reason}" if reason else "")
+        text += f" (exit {exit_code})" if exit_code is not None else ""
+        self.events.record(kind, text, node=record.node, container=record.id, **detail)
+
+    def _forget_oldest(self) -> None:
+        while len(self._finished) > defaults.FINISHED_KEPT:
+            old = self._containers.get(self._finished.popleft())
+            if old is not None and old.state not in LIVE:
+                del self._containers[old.id]
+
+    def _reconcile(self, node: Node, reports: list[ContainerReport]) -> list[str]:
+        removals, seen = [], set()
+        for report in reports:
+            seen.add(report.grant)
+            record = self._containers.get(report.grant)
+            if record is None:
+                self._adopt(node, report)
+            elif record.state in LIVE:
+                self._refresh(record, report)
+            elif record.state in (State.FAILED, State.REMOVED) and report.state == "running":
+                removals.append(report.grant)
+        for record in [c for c in self._containers.values() if c.node == node.name and c.id not in seen]:
+            if record.state is State.RUNNING:
+                self._finish(record, State.REMOVED, "container disappeared from its node", None, {})
+        return removals
+
+    def _refresh(self, record: Container, report: ContainerReport) -> None:
+        record.usage = dict(report.usage)
+        record.container_id = report.container_id
+        if report.state != "running" and record.state is State.RUNNING:
+            state = State.KILLED if report.state == "killed" else State.EXITED
+            self._finish(record, state, report.reason, report.exit_code, {})
+
+    def _adopt(self, node: Node, report: ContainerReport) -> None:
+        running = report.state == "running"
+        record = Container(
+            id=report.grant, name=report.name, node=node.name, gpus=list(report.gpus), gpu_memory=report.gpu_memory,
+            image=report.image or None, command=list(report.command), labels=dict(report.labels),
+            on_overrun=report.on_overrun, state=State.RUNNING if running else State(_final_state(report.state)),
+            container_id=report.container_id, exit_code=report.exit_code, reason=report.reason,
+            created_at=report.created_at or time.time(), usage=dict(report.usage),
+        )
+        known = [u for u in record.gpus if u in self._gpus and self._gpus[u].node == node.name]
+        if running and len(known) != len(record.gpus):
+            log.warning("container %s names GPUs %s that node %s does not report", record.id, record.gpus, node.name)
+            record.gpus = known
+        self._containers[record.id] = record
+        if running and record.gpus:
+            self._grant(record)
+        self.events.record(EventType.ADOPTED, f"{report.state} container {report.container_id[:12]} re-adopted",
+                           node=node.name, container=record.id)
+
+    def _node_view(self, node: Node) -> dict[str, Any]:
+        return {
+            "name": node.name, "state": "ready" if node.ready else "down", "last_seen": node.last_seen,
+            "runtime": node.runtime, "gpus": [_gpu_view(g) for g in node.gpus],
+        }
+
+
+def _final_state(state: str) -> str:
+    return state if state in {s.value for s in State} and state not in LIVE else State.EXITED.value
+
+
+def _gpu_view(gpu: Gpu) -> dict[str, Any]:
+    return {
+        "uuid": gpu.uuid, "index": gpu.index, "name": gpu.name, "memory_total": gpu.total,
+        "memory_used": gpu.used, "memory_reserved": gpu.reserved, "memory_unmanaged": gpu.unmanaged,
+        "memory_free": gpu.free, "containers": sorted(gpu.holders),
+    }
+
+
+def container_view(record: Container, gpus: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A container record as the REST API shows it."""
+    gpus = gpus or {}
+    return {
+        "id": record.id, "name": record.name, "node": record.node,
+        "gpus": [gpus.get(u, {"uuid": u, "index": None, "name": None}) for u in record.gpus],
+        "gpu_memory": record.gpu_memory, "gpu_memory_used": sum(record.usage.values()),
+        "container_id": record.container_id, "state": str(record.state), "exit_code": record.exit_code,
+        "reason": record.reason, "created_at": record.created_at, "finished_at": record.finished_at,
+        "image": record.image, "command": record.command, "labels": record.labels,
+        "on_overrun": record.on_overrun, **({"detail": record.detail} if record.detail else {}),
+    }

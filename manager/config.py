@@ -1,0 +1,27 @@
+"""The manager's settings (see ``configs/manager.yaml`` for each one explained)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BeforeValidator, Field
+
+from wire import defaults
+from wire.config import Settings, size
+
+
+class ManagerSettings(Settings):
+    """Everything ``gpumgr manager`` can be told; env names are ``GPUMGR_`` + the field in capitals."""
+
+    api: str = f"{defaults.API_HOST}:{defaults.API_PORT}"
+    agents: str = defaults.AGENTS_ENDPOINT
+    token: str | None = None
+    placement: Literal["spread", "binpack"] = defaults.PLACEMENT
+    on_overrun: Literal["kill", "stop", "report"] = "kill"
+    headroom: Annotated[int, BeforeValidator(size)] = 0
+    heartbeat_interval: float = Field(defaults.HEARTBEAT_INTERVAL, gt=0)
+    heartbeat_liveness: int = Field(defaults.HEARTBEAT_LIVENESS, ge=1)
+    create_timeout: float = Field(defaults.CREATE_TIMEOUT, gt=0)
+    remove_timeout: float = Field(defaults.REMOVE_TIMEOUT, gt=0)
+    threads: int = Field(16, ge=1)
+    log_level: str = "INFO"

@@ -1,0 +1,126 @@
+"""The manager's use cases: place a container, remove it, and keep the map in step with the agents."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from manager.cluster import LIVE, Cluster, PlacementSpec, State
+from manager.config import ManagerSettings
+from manager.events import EventLog
+from manager.link import ManagerLink
+from wire import protocol
+from wire.errors import AgentFailed, AgentTimeout, GpumgrError, NoAgents
+
+log = logging.getLogger(__name__)
+
+
+class Manager:
+    """Owns the cluster map and the agent link; the REST API calls into it."""
+
+    def __init__(self, settings: ManagerSettings) -> None:
+        self.settings = settings
+        self.events = EventLog()
+        self.cluster = Cluster(self.events, headroom=settings.headroom,
+                               down_after=settings.heartbeat_interval * settings.heartbeat_liveness)
+        self.link = ManagerLink(settings.agents, self._on_message, tick=settings.heartbeat_interval / 2,
+                                on_tick=self._on_tick)
+        self._next_sweep = 0.0
+
+    def start(self) -> None:
+        """Bind the agent link."""
+        self.link.start()
+        log.info("agent link bound on %s", self.link.bound_endpoint)
+
+    def stop(self) -> None:
+        """Close the agent link."""
+        self.link.stop()
+
+    # --- use cases ---------------------------------------------------------------------------
+    def create(self, spec: PlacementSpec) -> dict[str, Any]:
+        """Grant memory, have the chosen node's agent start the container, and return its record.
+
+        The grant is released on every failure; a create that the agent finishes after we gave up
+        is undone when its next heartbeat reports a container whose record is ``failed``.
+        """
+        record = self.cluster.reserve(spec)
+        create = protocol.Create(spec=protocol.ContainerSpec(
+            grant=record.id, name=record.name, image=record.image, command=record.command, env=record.env,
+            labels=record.labels, gpus=record.gpus, gpu_memory=record.gpu_memory, on_overrun=record.on_overrun,
+            created_at=record.created_at,
+        ))
+        try:
+            reply = self.link.request(self.cluster.routing_id(record.node), create, self.settings.create_timeout)
+        except AgentTimeout as exc:
+            self.cluster.fail(record.id, f"agent_timeout: {exc}")
+            raise
+        except Exception as exc:
+            self.cluster.fail(record.id, f"link_error: {exc}")
+            raise
+        if not reply.ok:
+            message = reply.error.message if reply.error else "unknown error"
+            self.cluster.fail(record.id, message)
+            raise AgentFailed(f"node {record.node} could not start the container: {message}")
+        return self.cluster.view(self.cluster.started(record.id, protocol.ContainerReport(**reply.result)))
+
+    def remove(self, cid: str) -> dict[str, Any]:
+        """Stop and remove ``cid`` on its node and free its grant."""
+        record = self.cluster.get(cid)
+        if record.state is State.REMOVED:
+            return self.cluster.view(record)
+        if record.container_id is not None or record.state in LIVE:
+            self._remove_on_node(record.node, record.id)
+        return self.cluster.view(self.cluster.finish(cid, State.REMOVED, reason=record.reason))
+
+    def _remove_on_node(self, node: str, grant: str) -> None:
+        if not self.cluster.node_ready(node):
+            raise NoAgents(f"node {node} is down; its container is removed when the node comes back")
+        message = protocol.Remove(grant=grant, stop_grace=min(5.0, self.settings.remove_timeout / 2))
+        reply = self.link.request(self.cluster.routing_id(node), message, self.settings.remove_timeout)
+        if not reply.ok and (reply.error is None or reply.error.code != "not_found"):
+            reason = reply.error.message if reply.error else "unknown error"
+            raise AgentFailed(f"node {node} could not remove the container: {reason}")
+
+    # --- link handlers (link thread) ---------------------------------------------------------
+    def _on_message(self, routing_id: bytes, envelope: protocol.Envelope, message: protocol.Message) -> None:
+        if isinstance(message, protocol.Heartbeat):
+            removals = self.cluster.heartbeat(message.node, routing_id, message.gpus, message.containers)
+            if removals is None:
+                self.link.send(routing_id, protocol.Reregister())
+            self._send_removals(routing_id, removals or [])
+        elif isinstance(message, protocol.Register):
+            removals = self.cluster.register(message.node, routing_id, message.runtime, message.gpus,
+                                             message.containers)
+            interval = self.settings.heartbeat_interval
+            self.link.send(routing_id, protocol.Registered(heartbeat_interval=interval), reply_to=envelope.id)
+            self._send_removals(routing_id, removals)
+            log.info("node %s registered with %d GPUs", message.node, len(message.gpus))
+        elif isinstance(message, protocol.ContainerEvent):
+            self._on_container_event(message)
+        else:
+            log.warning("dropped an unexpected %s message from an agent", envelope.type)
+
+    def _on_container_event(self, event: protocol.ContainerEvent) -> None:
+        report = event.container
+        try:
+            record = self.cluster.get(report.grant)
+        except GpumgrError:
+            log.info("event for unknown grant %s on %s; its heartbeat will adopt it", report.grant, event.node)
+            return
+        if record.state in LIVE and report.state != "running":
+            state = State.KILLED if report.state == "killed" else State.EXITED
+            self.cluster.finish(record.id, state, reason=report.reason, exit_code=report.exit_code,
+                                detail=event.detail)
+
+    def _send_removals(self, routing_id: bytes, grants: list[str]) -> None:
+        for grant in grants:
+            log.info("removing orphaned container of grant %s", grant)
+            self.link.send(routing_id, protocol.Remove(grant=grant))
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            self._next_sweep = now + self.settings.heartbeat_interval / 2
+            for name in self.cluster.sweep(now):
+                log.warning("node %s missed %d heartbeats: marked down", name, self.settings.heartbeat_liveness)

@@ -1,0 +1,1 @@
+"""The ``docker gpu`` CLI plugin and the node-side pieces Swarm needs (see the Swarm issue)."""

@@ -1,0 +1,92 @@
+"""Shared fixtures: a real Docker engine and test image, real manager and agent processes."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.procs import AgentProc, ManagerProc
+
+TEST_IMAGE = "gpumgr-test/busybox:latest"
+BUSYBOX_APPLETS = ("sh", "sleep", "echo", "cat", "env", "true", "false", "kill", "ls", "rm", "dd", "seq")
+
+
+def _require(flag: str, reason: str) -> None:
+    if os.environ.get(flag) == "1":
+        pytest.fail(f"{reason}, and {flag}=1 forbids skipping")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def docker_client():
+    """A client of a Docker engine that answers; skips (or fails in CI) without one."""
+    import docker
+
+    try:
+        client = docker.from_env(timeout=10)
+        client.ping()
+    except Exception as exc:  # any failure means there is no engine to test against
+        _require("GPUMGR_REQUIRE_DOCKER", f"no Docker engine answers ({exc})")
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def test_image(docker_client) -> str:
+    """A tiny local image holding a static busybox, built without any registry."""
+    try:
+        docker_client.images.get(TEST_IMAGE)
+        return TEST_IMAGE
+    except Exception:  # not built yet
+        pass
+    busybox = shutil.which("busybox") or "/bin/busybox"
+    if not Path(busybox).exists():
+        pytest.fail("busybox is needed to build the test image: apt-get install busybox-static")
+    docker_client.api.import_image_from_data(_busybox_tar(busybox), repository=TEST_IMAGE.split(":")[0], tag="latest")
+    return TEST_IMAGE
+
+
+def _busybox_tar(busybox: str) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        tar.add(busybox, arcname="bin/busybox")
+        for applet in BUSYBOX_APPLETS:
+            link = tarfile.TarInfo(f"bin/{applet}")
+            link.type, link.linkname = tarfile.SYMTYPE, "busybox"
+            tar.addfile(link)
+        tmp = tarfile.TarInfo("tmp")
+        tmp.type, tmp.mode = tarfile.DIRTYPE, 0o1777
+        tar.addfile(tmp)
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def cleanup_containers(docker_client) -> Iterator[None]:
+    """Remove every gpumgr-managed container a test leaves behind."""
+    yield
+    for container in docker_client.containers.list(all=True, filters={"label": "gpumgr.grant"}):
+        with contextlib.suppress(Exception):  # already gone
+            container.remove(force=True)
+
+
+@pytest.fixture
+def manager(tmp_path) -> Iterator[ManagerProc]:
+    """A ``gpumgr manager`` process on free loopback ports."""
+    proc = ManagerProc(tmp_path)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def docker_agent(tmp_path, manager, test_image, cleanup_containers) -> Iterator[AgentProc]:
+    """One ``gpumgr agent`` with two simulated 24 GiB GPUs and the Docker runtime, registered and ready."""
+    proc = AgentProc(tmp_path, manager, "node-a", gpus="sim:2x24GiB")
+    yield proc
+    proc.stop()

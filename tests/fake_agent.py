@@ -1,0 +1,98 @@
+"""A scripted agent on a real DEALER socket, for driving the manager's link and API without Docker."""
+
+from __future__ import annotations
+
+import threading
+
+import zmq
+
+from wire import protocol
+
+GiB = 1 << 30
+
+
+class FakeAgent:
+    """Registers ``node`` with simulated GPUs, then answers creates as ``behaviour`` says.
+
+    ``behaviour`` is ``"ok"`` (answer with a running report), ``"fail"`` (answer with an error) or
+    ``"silent"`` (never answer). Everything it receives is kept in ``received``.
+    """
+
+    def __init__(self, endpoint: str, node: str = "fake", gpus: int = 2, size: int = 24 * GiB,
+                 behaviour: str = "ok") -> None:
+        self.node = node
+        self.behaviour = behaviour
+        self.gpus = [protocol.GpuInfo(uuid=f"GPU-{node}-{i}", index=i, name="Fake", memory_total=size)
+                     for i in range(gpus)]
+        self.received: list[protocol.Message] = []
+        self.reports: dict[str, protocol.ContainerReport] = {}
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(endpoint)
+        self._lock = threading.Lock()
+
+    def send(self, message: protocol.Message, reply_to: str | None = None) -> None:
+        with self._lock:
+            self.socket.send(protocol.encode(message, reply_to=reply_to))
+
+    def send_raw(self, frame: bytes | list[bytes]) -> None:
+        with self._lock:
+            if isinstance(frame, list):
+                self.socket.send_multipart(frame)
+            else:
+                self.socket.send(frame)
+
+    def register(self) -> protocol.Registered:
+        self.send(protocol.Register(node=self.node, runtime="docker", gpus=self.gpus,
+                                    containers=list(self.reports.values())))
+        return self.expect(protocol.Registered)
+
+    def heartbeat(self, used: int = 0) -> None:
+        samples = [protocol.GpuSample(uuid=g.uuid, memory_used=used, memory_unmanaged=used) for g in self.gpus]
+        self.send(protocol.Heartbeat(node=self.node, gpus=samples, containers=list(self.reports.values())))
+
+    def expect(self, kind: type, timeout: float = 5.0):
+        """Receive until a message of ``kind`` arrives (answering creates on the way)."""
+        while True:
+            if not self.socket.poll(int(timeout * 1000)):
+                raise AssertionError(f"no {kind.__name__} from the manager within {timeout}s")
+            envelope, message = protocol.decode(self.socket.recv())
+            self.received.append(message)
+            self._answer(envelope, message)
+            if isinstance(message, kind):
+                return message
+
+    def serve(self, stop: threading.Event) -> threading.Thread:
+        """Answer in a background thread until ``stop`` is set."""
+        def loop() -> None:
+            while not stop.is_set():
+                if self.socket.poll(50):
+                    with self._lock:
+                        frame = self.socket.recv()
+                    envelope, message = protocol.decode(frame)
+                    self.received.append(message)
+                    self._answer(envelope, message)
+
+        thread = threading.Thread(target=loop, daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+    def _answer(self, envelope: protocol.Envelope, message: protocol.Message) -> None:
+        if isinstance(message, protocol.Create):
+            if self.behaviour == "silent":
+                return
+            if self.behaviour == "fail":
+                error = protocol.ErrorBody(code="runtime_failed", message="image 'nope' is not on this node")
+                self.send(protocol.Reply(ok=False, error=error), reply_to=envelope.id)
+                return
+            spec = message.spec
+            report = protocol.ContainerReport(grant=spec.grant, container_id=spec.grant * 4, name=spec.name,
+                                              gpus=spec.gpus, gpu_memory=spec.gpu_memory, state="running")
+            self.reports[spec.grant] = report
+            self.send(protocol.Reply(ok=True, result=report.model_dump()), reply_to=envelope.id)
+        elif isinstance(message, protocol.Remove):
+            self.reports.pop(message.grant, None)
+            self.send(protocol.Reply(ok=True, result={"grant": message.grant}), reply_to=envelope.id)

@@ -1,0 +1,135 @@
+"""Real ``gpumgr`` processes for tests: a manager and agents started as the README starts them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT = 20.0
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05, what: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Proc:
+    """One ``gpumgr`` subcommand as a child process, with its output in a log file."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.log_path = log
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self._log = open(log, "ab")  # noqa: SIM115 - held open for the child's lifetime, closed in stop()
+        self.popen = subprocess.Popen([sys.executable, "-m", "manager.cli", *args], cwd=ROOT, env=full_env,
+                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def output(self) -> str:
+        """Everything the process printed so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
+        """Stop the process (and its group) and return its exit code."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(timeout)
+        self._log.close()
+        return self.popen.returncode
+
+
+class ManagerProc(Proc):
+    """``gpumgr manager`` on free loopback ports, with a REST helper."""
+
+    def __init__(self, tmp: Path, *extra: str, env: dict[str, str] | None = None, api_port: int | None = None,
+                 agent_port: int | None = None) -> None:
+        self.api_port = api_port or free_port()
+        self.agent_port = agent_port or free_port()
+        self.url = f"http://127.0.0.1:{self.api_port}"
+        self.endpoint = f"tcp://127.0.0.1:{self.agent_port}"
+        self.http = requests.Session()
+        super().__init__(["manager", "--api", f"127.0.0.1:{self.api_port}", "--agents", self.endpoint, *extra],
+                         tmp / f"manager-{self.api_port}.log", env)
+        wait_for(self._healthy, START_TIMEOUT, what=f"manager to answer:\n{self.output}")
+
+    def _healthy(self) -> bool:
+        if self.popen.poll() is not None:
+            raise AssertionError(f"manager exited with {self.popen.returncode}:\n{self.output()}")
+        try:
+            return self.http.get(f"{self.url}/healthz", timeout=1).ok
+        except requests.ConnectionError:
+            return False
+
+    def get(self, path: str, **kw: Any) -> requests.Response:
+        return self.http.get(self.url + path, timeout=30, **kw)
+
+    def post(self, path: str, **kw: Any) -> requests.Response:
+        return self.http.post(self.url + path, timeout=90, **kw)
+
+    def delete(self, path: str, **kw: Any) -> requests.Response:
+        return self.http.delete(self.url + path, timeout=60, **kw)
+
+    def node(self, name: str) -> dict[str, Any] | None:
+        """The node ``name`` from ``GET /v1/nodes``, or None."""
+        return next((n for n in self.get("/v1/nodes").json()["nodes"] if n["name"] == name), None)
+
+    def gpu(self, uuid: str) -> dict[str, Any]:
+        """One GPU's entry on the map."""
+        for node in self.get("/v1/nodes").json()["nodes"]:
+            for gpu in node["gpus"]:
+                if gpu["uuid"] == uuid:
+                    return gpu
+        raise AssertionError(f"GPU {uuid} not on the map")
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        params = {"type": kind} if kind else {}
+        return self.get("/v1/events", params=params).json()["events"]
+
+
+class AgentProc(Proc):
+    """``gpumgr agent`` for one node, started and waited for until its node is ready."""
+
+    def __init__(self, tmp: Path, manager: ManagerProc, node: str, gpus: str = "sim:2x24GiB",
+                 runtime: str = "docker", env: dict[str, str] | None = None, wait: bool = True) -> None:
+        self.node = node
+        self.manager = manager
+        env = {"GPUMGR_NETWORK_MODE": "none", **(env or {})}
+        super().__init__(["agent", "--manager", manager.endpoint, "--node", node, "--gpus", gpus,
+                          "--runtime", runtime], tmp / f"agent-{node}.log", env)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> dict[str, Any]:
+        def ready() -> dict[str, Any] | None:
+            if self.popen.poll() is not None:
+                raise AssertionError(f"agent exited with {self.popen.returncode}:\n{self.output()}")
+            node = self.manager.node(self.node)
+            return node if node and node["state"] == "ready" else None
+
+        return wait_for(ready, timeout, what=f"node {self.node} to be ready")

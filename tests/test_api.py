@@ -1,0 +1,204 @@
+"""The REST API and the manager's use cases over a real agent link, with a scripted agent."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from manager.app import create_app
+from manager.config import ManagerSettings
+from manager.service import Manager
+from tests.fake_agent import FakeAgent, GiB
+from tests.procs import wait_for
+from wire.protocol import ContainerReport, Reregister
+
+
+@pytest.fixture
+def stack():
+    manager = Manager(ManagerSettings(agents="tcp://127.0.0.1:0", create_timeout=1.0, heartbeat_interval=0.2))
+    manager.start()
+    app = create_app(manager)
+    stop = threading.Event()
+    agents: list[FakeAgent] = []
+    threads: list[threading.Thread] = []
+
+    def add_agent(node: str = "fake", **kw) -> FakeAgent:
+        agent = FakeAgent(manager.link.bound_endpoint, node=node, **kw)
+        agent.register()
+        threads.append(agent.serve(stop))
+        agents.append(agent)
+        return agent
+
+    yield manager, app.test_client(), add_agent
+    stop.set()
+    for thread in threads:
+        thread.join(2)
+    for agent in agents:
+        agent.close()
+    manager.stop()
+
+
+def post(client, body, **kw):
+    return client.post("/v1/containers", json=body, **kw)
+
+
+@pytest.mark.parametrize("body, words", [
+    ({}, "gpu_memory: Field required"),
+    ({"gpu_memory": "lots", "image": "x"}, "cannot read 'lots'"),
+    ({"gpu_memory": 0, "image": "x"}, "positive"),
+    ({"gpu_memory": -5, "image": "x"}, "positive"),
+    ({"gpu_memory": "1.5B", "image": "x"}, "whole number"),
+    ({"gpu_memory": True, "image": "x"}, "boolean"),
+    ({"gpu_memory": "1GiB", "image": 5}, "image"),
+    ({"gpu_memory": "1GiB", "image": "x", "gpus": "2"}, "gpus"),
+    ({"gpu_memory": "1GiB", "image": "x", "gpus": 0}, "gpus"),
+    ({"gpu_memory": "1GiB", "image": "x", "command": [1]}, "command"),
+    ({"gpu_memory": "1GiB", "image": "x", "env": {"A": 1}}, "env"),
+    ({"gpu_memory": "1GiB", "image": "x", "placement": "random"}, "placement"),
+    ({"gpu_memory": "1GiB", "image": "x", "name": "bad name!"}, "name"),
+    ({"gpu_memory": "1GiB", "image": "x", "colour": "red"}, "colour: unknown field"),
+    ({"gpu_memory": "1GiB", "image": "x", "labels": {"gpumgr.grant": "x"}}, "reserved"),
+    ({"gpu_memory": "1GiB"}, "image is required"),
+])
+def test_invalid_bodies_are_400_with_a_reason_and_grant_nothing(stack, body, words) -> None:
+    manager, client, add_agent = stack
+    add_agent()
+    response = post(client, body)
+    assert response.status_code == 400, response.json
+    assert response.json["error"]["code"] == "invalid_request"
+    assert words in response.json["error"]["message"]
+    assert all(g["memory_reserved"] == 0 for n in manager.cluster.nodes_view() for g in n["gpus"])
+
+
+def test_malformed_json_and_wrong_content_type(stack) -> None:
+    _, client, _ = stack
+    assert client.post("/v1/containers", data="{nope", content_type="application/json").status_code == 400
+    response = client.post("/v1/containers", data="gpu_memory=1")
+    assert response.status_code == 400 and "JSON" in response.json["error"]["message"]
+    assert client.post("/v1/containers", json=[1, 2]).status_code == 400
+
+
+def test_unknown_paths_and_ids_are_json_404(stack) -> None:
+    _, client, _ = stack
+    for response in (client.get("/v1/containers/nope"), client.delete("/v1/containers/nope"), client.get("/v2/x")):
+        assert response.status_code == 404 and response.json["error"]["code"] in {"not_found"}
+    assert client.get("/v1/containers?state=sleepy").status_code == 400
+    assert client.get("/v1/events?since=-1").status_code == 400
+
+
+def test_no_agents_is_503(stack) -> None:
+    _, client, _ = stack
+    response = post(client, {"gpu_memory": "1GiB", "image": "x"})
+    assert response.status_code == 503 and response.json["error"]["code"] == "no_agents"
+
+
+def test_create_list_get_delete_and_the_map(stack) -> None:
+    manager, client, add_agent = stack
+    add_agent()
+    response = post(client, {"gpu_memory": "6GiB", "image": "img", "command": "python serve.py", "labels": {"a": "b"}})
+    assert response.status_code == 201, response.json
+    record = response.json
+    assert record["state"] == "running" and record["gpu_memory"] == 6 * GiB
+    assert record["command"] == ["python", "serve.py"]
+    assert record["gpus"][0]["index"] is not None and record["container_id"]
+    uuid = record["gpus"][0]["uuid"]
+    gpu = next(g for n in client.get("/v1/nodes").json["nodes"] for g in n["gpus"] if g["uuid"] == uuid)
+    assert gpu["memory_reserved"] == 6 * GiB and gpu["memory_free"] == 18 * GiB and gpu["containers"] == [record["id"]]
+    assert client.get(f"/v1/containers/{record['id']}").json["id"] == record["id"]
+    assert [c["id"] for c in client.get("/v1/containers?state=running").json["containers"]] == [record["id"]]
+    deleted = client.delete(f"/v1/containers/{record['id']}")
+    assert deleted.status_code == 200 and deleted.json["state"] == "removed"
+    assert all(g["memory_reserved"] == 0 for n in manager.cluster.nodes_view() for g in n["gpus"])
+    kinds = [e["type"] for e in client.get("/v1/events").json["events"]]
+    assert kinds[:1] == ["node_up"] and [k for k in kinds if k != "node_up"] == ["placed", "started", "removed"]
+
+
+def test_no_fit_is_409_with_the_largest_free(stack) -> None:
+    _, client, add_agent = stack
+    add_agent(gpus=1, size=8 * GiB)
+    response = post(client, {"gpu_memory": "9GiB", "image": "x"})
+    assert response.status_code == 409 and "8GiB" in response.json["error"]["message"]
+
+
+def test_agent_failure_is_502_and_releases_the_grant(stack) -> None:
+    manager, client, add_agent = stack
+    add_agent(behaviour="fail")
+    response = post(client, {"gpu_memory": "1GiB", "image": "nope"})
+    assert response.status_code == 502 and "not on this node" in response.json["error"]["message"]
+    assert all(g["memory_reserved"] == 0 for n in manager.cluster.nodes_view() for g in n["gpus"])
+    assert client.get("/v1/containers?state=failed").json["containers"][0]["reason"]
+
+
+def test_agent_timeout_is_504_and_a_late_success_is_removed(stack) -> None:
+    manager, client, add_agent = stack
+    agent = add_agent(behaviour="silent")
+    response = post(client, {"gpu_memory": "1GiB", "image": "x"})
+    assert response.status_code == 504 and response.json["error"]["code"] == "agent_timeout"
+    failed = client.get("/v1/containers?state=failed").json["containers"][0]
+    assert all(g["memory_reserved"] == 0 for n in manager.cluster.nodes_view() for g in n["gpus"])
+    # the agent finishes the create after all: its next heartbeat reports it, the manager orders it removed
+    agent.reports[failed["id"]] = ContainerReport(grant=failed["id"], container_id="late", gpu_memory=GiB,
+                                                  gpus=[g["uuid"] for g in failed["gpus"]], state="running")
+    agent.heartbeat()
+    wait_for(lambda: failed["id"] not in agent.reports, 5, what="the late container to be removed")
+    assert all(g["memory_reserved"] == 0 for n in manager.cluster.nodes_view() for g in n["gpus"])
+
+
+def test_concurrent_requests_never_share_bytes(stack) -> None:
+    manager, client, add_agent = stack
+    add_agent(gpus=2, size=10 * GiB)
+    app_client = client
+
+    def one(_: int) -> int:
+        return post(app_client, {"gpu_memory": "3GiB", "image": "x"}).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(one, range(12)))
+    assert sorted(codes) == [201] * 6 + [409] * 6
+    for node in manager.cluster.nodes_view():
+        for gpu in node["gpus"]:
+            assert gpu["memory_reserved"] == 9 * GiB and len(gpu["containers"]) == 3
+
+
+def test_nodes_go_down_after_missed_heartbeats_and_come_back(stack) -> None:
+    _manager, client, add_agent = stack
+    agent = add_agent()
+    wait_for(lambda: client.get("/v1/nodes").json["nodes"][0]["state"] == "down", 5, what="node down")
+    assert post(client, {"gpu_memory": "1GiB", "image": "x"}).status_code == 503
+    agent.heartbeat()
+    wait_for(lambda: client.get("/v1/nodes").json["nodes"][0]["state"] == "ready", 5, what="node ready again")
+    kinds = [e["type"] for e in client.get("/v1/events").json["events"]]
+    assert kinds == ["node_up", "node_down", "node_up"]
+
+
+def test_malformed_agent_messages_are_dropped_and_the_link_keeps_serving(stack) -> None:
+    _manager, client, add_agent = stack
+    agent = add_agent()
+    agent.send_raw(b"\xc1garbage")
+    agent.send_raw([b"two", b"frames"])
+    agent.send_raw(b"\x00" * 100_000)
+    agent.heartbeat(used=2 * GiB)
+    wait_for(lambda: client.get("/v1/nodes").json["nodes"][0]["gpus"][0]["memory_unmanaged"] == 2 * GiB, 5,
+             what="the heartbeat after garbage to be applied")
+    assert post(client, {"gpu_memory": "1GiB", "image": "x"}).status_code == 201
+
+
+def test_unknown_node_heartbeat_gets_reregister(stack) -> None:
+    manager, _, _ = stack
+    agent = FakeAgent(manager.link.bound_endpoint, node="stranger")
+    try:
+        agent.heartbeat()
+        agent.expect(Reregister)
+    finally:
+        agent.close()
+
+
+def test_token_is_required_when_configured() -> None:
+    manager = Manager(ManagerSettings(agents="tcp://127.0.0.1:0", token="s3cret"))
+    client = create_app(manager).test_client()
+    assert client.get("/v1/nodes").status_code == 401
+    assert client.get("/v1/nodes", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.get("/v1/nodes", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert client.get("/healthz").status_code == 200

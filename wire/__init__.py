@@ -1,0 +1,1 @@
+"""Shared pieces of gpumgr: the manager ⇄ agent wire protocol, units, errors and defaults."""

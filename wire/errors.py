@@ -1,0 +1,78 @@
+"""The exceptions gpumgr raises; each carries a short machine code and says how to recover."""
+
+from __future__ import annotations
+
+
+class GpumgrError(Exception):
+    """Root of every gpumgr error. ``code`` is the stable name clients match on."""
+
+    code = "error"
+    status = 500
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+    def to_dict(self) -> dict[str, str]:
+        """The JSON error body ``{"code", "message"}`` used on REST and on the link."""
+        return {"code": self.code, "message": self.message}
+
+
+class ProtocolError(GpumgrError):
+    """A message on the agent link was malformed, oversized or of an unknown type.
+
+    The receiver logs it, drops the message and keeps serving; the sender is never trusted again
+    for that message only, not for the whole connection.
+    """
+
+    code = "protocol_error"
+
+
+class InvalidRequest(GpumgrError):
+    """The client sent a request that cannot be served as written; fix the request and retry."""
+
+    code = "invalid_request"
+    status = 400
+
+
+class NotFound(GpumgrError):
+    """No such container (or node); the id may be mistyped or the record aged out."""
+
+    code = "not_found"
+    status = 404
+
+
+class NoFit(GpumgrError):
+    """No ready GPU has enough schedulable free memory; free some or ask for less."""
+
+    code = "no_fit"
+    status = 409
+
+
+class NoAgents(GpumgrError):
+    """No agent is registered and ready; start one with ``gpumgr agent``."""
+
+    code = "no_agents"
+    status = 503
+
+
+class AgentFailed(GpumgrError):
+    """The agent answered but could not do it (e.g. Docker could not find the image)."""
+
+    code = "agent_failed"
+    status = 502
+
+
+class AgentTimeout(GpumgrError):
+    """The agent did not answer in time; the grant was released and any late result is undone."""
+
+    code = "agent_timeout"
+    status = 504
+
+
+class RuntimeFailure(GpumgrError):
+    """The agent's runtime (Docker or host processes) refused an operation."""
+
+    code = "runtime_failed"

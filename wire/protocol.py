@@ -1,0 +1,231 @@
+"""The manager ⇄ agent wire protocol: typed messages in one msgpack envelope.
+
+Every frame is ``{v, type, id, reply_to, body}`` packed with msgpack (never pickle) and bounded in
+size. ``type`` names one of the message classes below; ``body`` is validated against it, so a
+malformed, unknown or oversized frame raises :class:`~wire.errors.ProtocolError` and nothing else.
+Requests that expect an answer get a :class:`Reply` whose ``reply_to`` is the request's ``id``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, ClassVar
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from wire import defaults
+from wire.errors import ProtocolError
+
+VERSION = 1
+_REGISTRY: dict[str, type[Message]] = {}
+#: Per-field bounds inside a frame: no string over 64 KiB, no list or map over this many items.
+_MAX_FIELD = 64 * 1024
+_MAX_ITEMS = 16 * 1024
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class Message(_Model):
+    """Base of every message; subclasses set ``TYPE`` and are registered by it."""
+
+    TYPE: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.TYPE:
+            _REGISTRY[cls.TYPE] = cls
+
+
+class GpuInfo(_Model):
+    """A GPU as the agent found it at start-up."""
+
+    uuid: str
+    index: int = Field(ge=0)
+    name: str
+    memory_total: int = Field(ge=0)
+
+
+class GpuSample(_Model):
+    """One GPU's memory at one heartbeat: all used bytes, and the part no managed container explains."""
+
+    uuid: str
+    memory_used: int = Field(ge=0)
+    memory_unmanaged: int = Field(ge=0)
+
+
+class ContainerReport(_Model):
+    """A managed container as its agent sees it; carries the whole grant so a manager can rebuild it."""
+
+    grant: str
+    container_id: str
+    name: str = ""
+    image: str = ""
+    command: list[str] = Field(default_factory=list)
+    gpus: list[str]
+    gpu_memory: int = Field(gt=0)
+    state: str
+    exit_code: int | None = None
+    reason: str | None = None
+    usage: dict[str, int] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+    on_overrun: str = "kill"
+    created_at: float = 0.0
+
+
+class ContainerSpec(_Model):
+    """What the manager asks an agent to run: the grant decides the GPUs and the bytes."""
+
+    grant: str
+    name: str
+    image: str | None = None
+    command: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+    gpus: list[str] = Field(min_length=1)
+    gpu_memory: int = Field(gt=0)
+    on_overrun: str = "kill"
+    created_at: float = 0.0
+
+
+class Register(Message):
+    """Agent → manager on connect: who I am, my GPUs, and the managed containers I already run."""
+
+    TYPE: ClassVar[str] = "register"
+    node: str = Field(min_length=1, max_length=253)
+    runtime: str
+    gpus: list[GpuInfo]
+    containers: list[ContainerReport] = Field(default_factory=list, max_length=defaults.MAX_CONTAINERS_PER_NODE)
+
+
+class Registered(Message):
+    """Manager → agent: registration accepted; report every ``heartbeat_interval`` seconds."""
+
+    TYPE: ClassVar[str] = "registered"
+    heartbeat_interval: float = Field(gt=0)
+
+
+class Heartbeat(Message):
+    """Agent → manager every interval: memory per GPU and usage per managed container."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    node: str
+    gpus: list[GpuSample]
+    containers: list[ContainerReport] = Field(default_factory=list, max_length=defaults.MAX_CONTAINERS_PER_NODE)
+
+
+class Reregister(Message):
+    """Manager → agent: I do not know you (I restarted, or declared you down); register again."""
+
+    TYPE: ClassVar[str] = "reregister"
+
+
+class Create(Message):
+    """Manager → agent: create and start this container; answered by a Reply with a ContainerReport."""
+
+    TYPE: ClassVar[str] = "create"
+    spec: ContainerSpec
+
+
+class Remove(Message):
+    """Manager → agent: stop and remove the container holding ``grant``; answered by a Reply."""
+
+    TYPE: ClassVar[str] = "remove"
+    grant: str
+    stop_grace: float = Field(default=defaults.STOP_GRACE, ge=0)
+
+
+class ContainerEvent(Message):
+    """Agent → manager, as it happens: a managed container changed state (exited, killed, removed)."""
+
+    TYPE: ClassVar[str] = "container_event"
+    node: str
+    container: ContainerReport
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+class ErrorBody(_Model):
+    """The one error shape on the link, the same as on REST."""
+
+    code: str
+    message: str
+
+
+class Reply(Message):
+    """The answer to any request: ``ok`` with a ``result``, or an ``error``."""
+
+    TYPE: ClassVar[str] = "reply"
+    ok: bool
+    result: dict[str, Any] = Field(default_factory=dict)
+    error: ErrorBody | None = None
+
+
+class Envelope(_Model):
+    """One frame on the wire."""
+
+    v: int
+    type: str
+    id: str = Field(min_length=1, max_length=64)
+    reply_to: str | None = Field(default=None, max_length=64)
+    body: dict[str, Any]
+
+
+def new_id() -> str:
+    """A fresh message id: unique enough to tie a reply to its request across restarts."""
+    return uuid.uuid4().hex
+
+
+def encode(message: Message, *, msg_id: str | None = None, reply_to: str | None = None) -> bytes:
+    """Pack ``message`` into one frame. Raises ProtocolError if the frame would be over the size bound."""
+    frame = msgpack.packb(
+        {"v": VERSION, "type": message.TYPE, "id": msg_id or new_id(), "reply_to": reply_to,
+         "body": message.model_dump(mode="python")},
+        use_bin_type=True,
+    )
+    if len(frame) > defaults.MAX_MESSAGE_BYTES:
+        raise ProtocolError(
+            f"{message.TYPE} message of {len(frame)} bytes is over the {defaults.MAX_MESSAGE_BYTES} bound")
+    return frame
+
+
+def decode(frame: bytes) -> tuple[Envelope, Message]:
+    """Unpack and validate one frame into its envelope and typed message.
+
+    Raises ProtocolError, chained to the cause, for anything oversized, unparseable, of another
+    protocol version, of an unknown type or with a body that does not fit its type.
+    """
+    if len(frame) > defaults.MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes is over the {defaults.MAX_MESSAGE_BYTES} bound")
+    try:
+        raw = msgpack.unpackb(
+            frame, raw=False, strict_map_key=True, max_ext_len=0, max_bin_len=_MAX_FIELD,
+            max_str_len=_MAX_FIELD, max_array_len=_MAX_ITEMS, max_map_len=_MAX_ITEMS,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"undecodable frame: {exc}") from exc
+    try:
+        envelope = Envelope.model_validate(raw)
+    except ValidationError as exc:
+        raise ProtocolError(f"bad envelope: {_first_error(exc)}") from exc
+    if envelope.v != VERSION:
+        raise ProtocolError(f"protocol version {envelope.v} is not {VERSION}")
+    cls = _REGISTRY.get(envelope.type)
+    if cls is None:
+        raise ProtocolError(f"unknown message type {envelope.type!r}")
+    try:
+        return envelope, cls.model_validate(envelope.body)
+    except ValidationError as exc:
+        raise ProtocolError(f"bad {envelope.type} body: {_first_error(exc)}") from exc
+
+
+def message_types() -> dict[str, type[Message]]:
+    """Every registered message type by name (for tests and documentation)."""
+    return dict(_REGISTRY)
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ())) or "(root)"
+    return f"{where}: {err.get('msg')}"
