@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
+from agent.enforcer import Enforcer, EnforcerSettings
 from agent.gpus import GpuSource
 from agent.meter import Sample, take_sample
 from agent.runtime import Managed, Runtime
@@ -26,13 +27,15 @@ from wire.errors import GpumgrError, ProtocolError
 
 log = logging.getLogger(__name__)
 WORKERS = 8
+DEFAULT_ENFORCEMENT = EnforcerSettings()
 
 
 class Agent:
     """Connects ``node``'s GPUs (``source``) and containers (``runtime``) to the manager at ``endpoint``."""
 
     def __init__(self, node: str, endpoint: str, source: GpuSource, runtime: Runtime, *,
-                 heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL) -> None:
+                 heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL,
+                 enforcement: EnforcerSettings | None = DEFAULT_ENFORCEMENT) -> None:
         self.node = node
         self.endpoint = endpoint
         self.source = source
@@ -40,7 +43,6 @@ class Agent:
         self.runtime = runtime
         self.interval = heartbeat_interval
         self.registered = threading.Event()
-        self.last_sample: Sample | None = None
         self._ctx = zmq.Context.instance()
         self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._wake_addr = f"inproc://gpumgr-agent-{id(self)}"
@@ -48,21 +50,32 @@ class Agent:
         self._wake: zmq.Socket | None = None
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="agent-cmd")
         self._stop = threading.Event()
+        self.enforcer = None if enforcement is None else Enforcer(source, self.devices, runtime, self.report_overrun,
+                                                                  enforcement)
 
     # --- called from any thread --------------------------------------------------------------
     def report_exit(self, managed: Managed) -> None:
         """Tell the manager at once that a managed container stopped (runtime callback)."""
-        event = protocol.ContainerEvent(node=self.node, container=managed.report(), detail={})
+        event = protocol.ContainerEvent(node=self.node, container=managed.report(), detail=managed.detail)
+        self._queue(protocol.encode(event))
+
+    def report_overrun(self, managed: Managed, detail: dict) -> None:
+        """Tell the manager at once that a container went over its grant and what was done (enforcer callback)."""
+        event = protocol.ContainerEvent(node=self.node, container=managed.report(), detail={"overrun": detail})
         self._queue(protocol.encode(event))
 
     def stop(self) -> None:
         """Ask the owner thread to finish."""
         self._stop.set()
+        if self.enforcer is not None:
+            self.enforcer.stop()
         self._poke()
 
     # --- owner thread ------------------------------------------------------------------------
     def run(self) -> None:
         """Serve until :meth:`stop`; the calling thread becomes the socket's owner."""
+        if self.enforcer is not None:
+            threading.Thread(target=self.enforcer.run, name="enforcer", daemon=True).start()
         pull = self._ctx.socket(zmq.PULL)
         pull.bind(self._wake_addr)
         dealer = self._connect()
@@ -113,10 +126,17 @@ class Agent:
                                  containers=[m.report() for m in self.runtime.managed()])
 
     def _heartbeat_message(self) -> protocol.Heartbeat:
-        sample = take_sample(self.source, self.devices, self.runtime)
-        self.last_sample = sample
+        sample = self._fresh_sample()
         containers = [m.report(sample.usage.get(m.grant)) for m in self.runtime.managed()]
         return protocol.Heartbeat(node=self.node, gpus=sample.gpus, containers=containers)
+
+    def _fresh_sample(self) -> Sample:
+        """The enforcer's newest full sample when it is recent enough, else a new one."""
+        enforcer = self.enforcer
+        if enforcer is not None and enforcer.latest is not None and \
+                time.monotonic() - enforcer.latest_at < self.interval:
+            return enforcer.latest
+        return take_sample(self.source, self.devices, self.runtime)
 
     def _send(self, dealer: zmq.Socket, frame: bytes) -> None:
         try:
@@ -196,16 +216,16 @@ class Agent:
 
 
 def build_runtime(kind: str, on_exit, *, network_mode: str | None, device_requests: str, gpu_kind: str,
-                  log_dir: str) -> Runtime:
+                  log_dir: str, mps: bool = False) -> Runtime:
     """The runtime ``kind`` (``auto`` picks Docker when the engine answers, else host processes)."""
     from agent.runtime import DockerRuntime, ProcessRuntime, docker_answers
 
     if kind == "auto":
         kind = "docker" if docker_answers() else "process"
     if kind == "process":
-        return ProcessRuntime(on_exit, log_dir=log_dir)
+        return ProcessRuntime(on_exit, log_dir=log_dir, mps=mps)
     use_requests = device_requests == "always" or (device_requests == "auto" and gpu_kind == "nvml" and _has_nvidia())
-    return DockerRuntime(on_exit, network_mode=network_mode, device_requests=use_requests)
+    return DockerRuntime(on_exit, network_mode=network_mode, device_requests=use_requests, mps=mps)
 
 
 def _has_nvidia() -> bool:

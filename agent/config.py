@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import socket
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
+from agent.enforcer import EnforcerSettings
 from wire import defaults
-from wire.config import Settings
+from wire.config import Settings, size
 
 
 class AgentSettings(Settings):
     """Everything ``gpumgr agent`` can be told; env names are ``GPUMGR_`` + the field in capitals."""
+
+    def enforcement(self) -> EnforcerSettings | None:
+        """The enforcer's settings, or None when enforcement is off."""
+        if not self.enforce:
+            return None
+        return EnforcerSettings(poll_interval=self.poll_interval, sample_interval=self.sample_interval,
+                                tolerance=self.overrun_tolerance, samples=self.overrun_samples,
+                                stop_grace=self.stop_grace)
 
     manager: str = defaults.AGENTS_ENDPOINT
     node: str = Field(default_factory=socket.gethostname, min_length=1)
@@ -22,4 +31,11 @@ class AgentSettings(Settings):
     network_mode: str | None = None
     device_requests: Literal["auto", "always", "never"] = "auto"
     process_log_dir: str = "/tmp/gpumgr/logs"
+    enforce: bool = True
+    poll_interval: float = Field(0.1, gt=0)
+    sample_interval: float = Field(1.0, gt=0)
+    overrun_tolerance: Annotated[int, BeforeValidator(size)] = 0
+    overrun_samples: int = Field(2, ge=1)
+    stop_grace: float = Field(10.0, ge=0)
+    mps: bool = False
     log_level: str = "INFO"

@@ -6,6 +6,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from agent.gpus import Device, GpuSource
+from agent.procmap import start_time_of
 from agent.runtime import Runtime
 from wire.protocol import GpuSample
 
@@ -17,8 +18,8 @@ class Sample:
     gpus: list[GpuSample]
     #: grant → GPU uuid → bytes used by that container's processes on that GPU
     usage: dict[str, dict[str, int]] = field(default_factory=dict)
-    #: grant → GPU uuid → host pids using that GPU (to re-check ownership before acting)
-    pids: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    #: grant → GPU uuid → (host pid, start time) using that GPU, to re-check ownership before acting
+    pids: dict[str, dict[str, list[tuple[int, int | None]]]] = field(default_factory=dict)
 
 
 def take_sample(source: GpuSource, devices: list[Device], runtime: Runtime) -> Sample:
@@ -28,17 +29,19 @@ def take_sample(source: GpuSource, devices: list[Device], runtime: Runtime) -> S
     ``memory_unmanaged``: the manager subtracts it from what it may grant.
     """
     usage: dict[str, dict[str, int]] = defaultdict(dict)
-    pids: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    pids: dict[str, dict[str, list[tuple[int, int | None]]]] = defaultdict(lambda: defaultdict(list))
     gpus = []
+    processes = source.process_snapshot()
+    memory = source.memory_snapshot()
     for device in devices:
-        used = source.memory_used(device.uuid)
+        used = memory[device.uuid]
         managed_bytes = 0
-        for proc in source.processes(device.uuid):
+        for proc in processes[device.uuid]:
             owner = runtime.owner_of(proc.pid)
             if owner is None:
                 continue
             usage[owner.grant][device.uuid] = usage[owner.grant].get(device.uuid, 0) + proc.used
-            pids[owner.grant][device.uuid].append(proc.pid)
+            pids[owner.grant][device.uuid].append((proc.pid, start_time_of(proc.pid)))
             managed_bytes += proc.used
         gpus.append(GpuSample(uuid=device.uuid, memory_used=used, memory_unmanaged=max(0, used - managed_bytes)))
     return Sample(gpus, dict(usage), {g: dict(p) for g, p in pids.items()})

@@ -53,6 +53,7 @@ class Managed:
     exit_code: int | None = None
     reason: str | None = None
     pid: int | None = None
+    detail: dict = field(default_factory=dict)
 
     def report(self, usage: dict[str, int] | None = None) -> ContainerReport:
         """This container as the wire protocol carries it."""
@@ -67,11 +68,19 @@ class Managed:
 ExitCallback = Callable[[Managed], None]
 
 
-def grant_env(spec: ContainerSpec) -> dict[str, str]:
-    """The variables that pin a container to its GPUs and tell it its grant."""
-    uuids = ",".join(spec.gpus)
-    return {**spec.env, "NVIDIA_VISIBLE_DEVICES": uuids, "GPUMGR_GPU_MEMORY": str(spec.gpu_memory),
-            "GPUMGR_GRANT": spec.grant}
+def grant_env(spec: ContainerSpec, mps: bool = False) -> dict[str, str]:
+    """The variables that pin a container to its GPUs and tell it its grant.
+
+    With ``mps`` (the host runs the MPS control daemon) the CUDA driver itself also caps each
+    visible device at the grant, through ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``; the enforcer's kill
+    stays the backstop.
+    """
+    env = {**spec.env, "NVIDIA_VISIBLE_DEVICES": ",".join(spec.gpus), "GPUMGR_GPU_MEMORY": str(spec.gpu_memory),
+           "GPUMGR_GRANT": spec.grant}
+    if mps:
+        mib = max(1, spec.gpu_memory // (1 << 20))
+        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{i}={mib}M" for i in range(len(spec.gpus)))
+    return env
 
 
 class Runtime:
@@ -79,8 +88,9 @@ class Runtime:
 
     kind = "none"
 
-    def __init__(self, on_exit: ExitCallback) -> None:
+    def __init__(self, on_exit: ExitCallback, *, mps: bool = False) -> None:
         self._on_exit = on_exit
+        self.mps = mps
         self._lock = threading.Lock()
         self._table: dict[str, Managed] = {}
 
@@ -109,9 +119,28 @@ class Runtime:
         """Stop and remove the container holding ``grant``; raises NotFound."""
         raise NotImplementedError
 
-    def kill(self, grant: str, reason: str) -> None:
+    def kill(self, grant: str, reason: str, detail: dict | None = None) -> None:
         """Kill the container holding ``grant`` at once and remember why."""
         raise NotImplementedError
+
+    def stop(self, grant: str, reason: str, detail: dict | None = None, grace: float = defaults.STOP_GRACE) -> None:
+        """SIGTERM the container holding ``grant``, SIGKILL it after ``grace``, without blocking the caller."""
+        raise NotImplementedError
+
+    def _removing(self, grant: str) -> Managed:
+        """Flag ``grant`` as being removed on request, so its exit is not reported as an exit of its own."""
+        managed = self.get(grant)
+        with self._lock:
+            if managed.state == "running":
+                managed.state = "removing"
+        return managed
+
+    def _mark(self, grant: str, reason: str, detail: dict | None) -> Managed:
+        managed = self.get(grant)
+        with self._lock:
+            managed.reason = reason
+            managed.detail = dict(detail or {})
+        return managed
 
     def close(self) -> None:
         """Stop watching; managed containers keep running."""
@@ -131,8 +160,8 @@ class DockerRuntime(Runtime):
     kind = "docker"
 
     def __init__(self, on_exit: ExitCallback, *, network_mode: str | None = None, device_requests: bool = False,
-                 client: docker.DockerClient | None = None) -> None:
-        super().__init__(on_exit)
+                 client: docker.DockerClient | None = None, mps: bool = False) -> None:
+        super().__init__(on_exit, mps=mps)
         self.client = client or docker.from_env()
         self.network_mode = network_mode
         self.device_requests = device_requests
@@ -152,7 +181,7 @@ class DockerRuntime(Runtime):
             if self.device_requests else None
         try:
             container = self.client.containers.create(
-                spec.image, spec.command or None, name=spec.name, environment=grant_env(spec), labels=labels,
+                spec.image, spec.command or None, name=spec.name, environment=grant_env(spec, self.mps), labels=labels,
                 detach=True, network_mode=self.network_mode, device_requests=requests,
             )
         except docker.errors.ImageNotFound as exc:
@@ -175,7 +204,7 @@ class DockerRuntime(Runtime):
 
     def remove(self, grant: str, stop_grace: float = defaults.STOP_GRACE) -> None:
         """Stop (SIGTERM, then SIGKILL after ``stop_grace``) and remove the container."""
-        managed = self.get(grant)
+        managed = self._removing(grant)
         try:
             container = self.client.containers.get(managed.container_id)
             container.stop(timeout=int(stop_grace))
@@ -186,14 +215,25 @@ class DockerRuntime(Runtime):
             raise RuntimeFailure(f"docker could not remove the container: {exc.explanation}") from exc
         self._untrack(grant)
 
-    def kill(self, grant: str, reason: str) -> None:
+    def kill(self, grant: str, reason: str, detail: dict | None = None) -> None:
         """SIGKILL the container; its exit is then reported as ``killed`` with ``reason``."""
-        managed = self.get(grant)
-        managed.reason = reason
+        managed = self._mark(grant, reason, detail)
         try:
             self.client.api.kill(managed.container_id)
         except docker.errors.APIError as exc:
             log.warning("could not kill %s: %s", managed.container_id[:12], exc)
+
+    def stop(self, grant: str, reason: str, detail: dict | None = None, grace: float = defaults.STOP_GRACE) -> None:
+        """Docker's stop (SIGTERM, SIGKILL after ``grace``) on a background thread."""
+        managed = self._mark(grant, reason, detail)
+
+        def stop() -> None:
+            try:
+                self.client.api.stop(managed.container_id, timeout=int(grace))
+            except docker.errors.APIError as exc:
+                log.warning("could not stop %s: %s", managed.container_id[:12], exc)
+
+        threading.Thread(target=stop, name=f"stop-{grant}", daemon=True).start()
 
     def owner_of(self, pid: int) -> Managed | None:
         """Map a host pid to its managed container through ``/proc/<pid>/cgroup``."""
@@ -272,8 +312,8 @@ class ProcessRuntime(Runtime):
 
     kind = "process"
 
-    def __init__(self, on_exit: ExitCallback, *, log_dir: str = "/tmp/gpumgr/logs") -> None:
-        super().__init__(on_exit)
+    def __init__(self, on_exit: ExitCallback, *, log_dir: str = "/tmp/gpumgr/logs", mps: bool = False) -> None:
+        super().__init__(on_exit, mps=mps)
         self.log_dir = Path(log_dir)
         self._procs: dict[str, subprocess.Popen] = {}
 
@@ -281,7 +321,7 @@ class ProcessRuntime(Runtime):
         """Start the command in a new session (its own process group) with the grant's environment."""
         if not spec.command:
             raise RuntimeFailure("a command is required to run a host process", code="invalid_request")
-        env = {**os.environ, **grant_env(spec), "CUDA_VISIBLE_DEVICES": ",".join(spec.gpus)}
+        env = {**os.environ, **grant_env(spec, self.mps), "CUDA_VISIBLE_DEVICES": ",".join(spec.gpus)}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             with open(self.log_dir / f"{spec.grant}.log", "ab") as out:
@@ -300,7 +340,7 @@ class ProcessRuntime(Runtime):
 
     def remove(self, grant: str, stop_grace: float = defaults.STOP_GRACE) -> None:
         """SIGTERM the group, SIGKILL it after ``stop_grace``, and forget it."""
-        managed = self.get(grant)
+        managed = self._removing(grant)
         proc = self._procs.get(grant)
         _signal_group(managed.pid, signal.SIGTERM)
         if proc is not None:
@@ -313,11 +353,19 @@ class ProcessRuntime(Runtime):
             self._table.pop(grant, None)
             self._procs.pop(grant, None)
 
-    def kill(self, grant: str, reason: str) -> None:
+    def kill(self, grant: str, reason: str, detail: dict | None = None) -> None:
         """SIGKILL the whole process group; its exit is reported as ``killed`` with ``reason``."""
-        managed = self.get(grant)
-        managed.reason = reason
+        managed = self._mark(grant, reason, detail)
         _signal_group(managed.pid, signal.SIGKILL)
+
+    def stop(self, grant: str, reason: str, detail: dict | None = None, grace: float = defaults.STOP_GRACE) -> None:
+        """SIGTERM the group now and SIGKILL it after ``grace`` if it is still there."""
+        managed = self._mark(grant, reason, detail)
+        _signal_group(managed.pid, signal.SIGTERM)
+        timer = threading.Timer(grace, lambda: managed.state == "running"
+                                and _signal_group(managed.pid, signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
 
     def owner_of(self, pid: int) -> Managed | None:
         """Map a host pid to its process group's managed entry."""

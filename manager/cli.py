@@ -155,8 +155,9 @@ def build_agent(settings: AgentSettings) -> Any:
     holder: list[Agent] = []
     runtime = build_runtime(settings.runtime, lambda m: holder[0].report_exit(m), network_mode=settings.network_mode,
                             device_requests=settings.device_requests, gpu_kind=source.kind,
-                            log_dir=settings.process_log_dir)
-    agent = Agent(settings.node, settings.manager, source, runtime, heartbeat_interval=settings.heartbeat_interval)
+                            log_dir=settings.process_log_dir, mps=settings.mps)
+    agent = Agent(settings.node, settings.manager, source, runtime, heartbeat_interval=settings.heartbeat_interval,
+                  enforcement=settings.enforcement())
     holder.append(agent)
     return agent
 

@@ -207,6 +207,19 @@ class Cluster:
             self._finish(record, state, reason, exit_code, detail or {})
             return record
 
+    def overrun(self, cid: str, detail: dict[str, Any]) -> Container:
+        """An agent found ``cid`` over its grant: record it; if it is being killed or stopped, free the grant now."""
+        with self._lock:
+            record = self._get(cid)
+            record.detail["overrun"] = detail
+            if detail.get("action") in ("kill", "stop") and record.state in LIVE:
+                self._finish(record, State.KILLED, str(detail.get("reason", "gpu_memory_exceeded")), None, detail)
+                return record
+        self.events.record(EventType.OVERRUN, f"{detail.get('reason')}: {detail.get('observed')} bytes on "
+                           f"{detail.get('gpu')} over a grant of {detail.get('grant_bytes')} (reported only)",
+                           node=record.node, container=cid, **detail)
+        return record
+
     def fail(self, cid: str, reason: str) -> Container:
         """Creation failed: free the grant and keep the reason."""
         return self.finish(cid, State.FAILED, reason=reason)
@@ -286,10 +299,13 @@ class Cluster:
     def _finish(self, record: Container, state: State, reason: str | None, exit_code: int | None,
                 detail: dict[str, Any]) -> None:
         was_live = record.state in LIVE
+        if not was_live and state is not State.REMOVED:
+            # a late exit report for a container already recorded as finished: keep its exit code only
+            record.exit_code = record.exit_code if record.exit_code is not None else exit_code
+            return
         if was_live:
             self._release(record)
-        if state is State.REMOVED or was_live or record.state is State.EXITED:
-            record.state = state
+        record.state = state
         record.reason = reason or record.reason
         record.exit_code = exit_code if exit_code is not None else record.exit_code
         record.detail.update(detail)
@@ -327,7 +343,7 @@ class Cluster:
     def _refresh(self, record: Container, report: ContainerReport) -> None:
         record.usage = dict(report.usage)
         record.container_id = report.container_id
-        if report.state != "running" and record.state is State.RUNNING:
+        if report.state in (State.EXITED, State.KILLED) and record.state is State.RUNNING:
             state = State.KILLED if report.state == "killed" else State.EXITED
             self._finish(record, state, report.reason, report.exit_code, {})
 

@@ -108,7 +108,10 @@ class Manager:
         except GpumgrError:
             log.info("event for unknown grant %s on %s; its heartbeat will adopt it", report.grant, event.node)
             return
-        if record.state in LIVE and report.state != "running":
+        overrun = event.detail.get("overrun")
+        if isinstance(overrun, dict):
+            self.cluster.overrun(record.id, overrun)
+        elif report.state in (State.EXITED, State.KILLED):
             state = State.KILLED if report.state == "killed" else State.EXITED
             self.cluster.finish(record.id, state, reason=report.reason, exit_code=report.exit_code,
                                 detail=event.detail)

@@ -1,0 +1,177 @@
+"""Holding every container to its grant: measure per container, decide, act, report.
+
+The loop reads each GPU's used memory often (cheap: one NVML memory query per GPU) and takes a
+full per-process sample (the expensive NVML call) only when the growth since the last full sample
+could have pushed some container past its grant, plus one at the regular interval. A container is
+*over* when its usage on a GPU exceeds its grant plus ``tolerance`` for ``samples`` consecutive
+full samples, or when it uses a GPU it was not granted. Then, per the container's ``on_overrun``:
+``kill`` it at once, ``stop`` it (SIGTERM, SIGKILL after a grace period), or only ``report`` it.
+Before acting, every offending PID is checked again to still be the same process in the same
+container, because PIDs are reused. Processes in no managed container are never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent import procmap
+from agent.gpus import Device, GpuSource
+from agent.meter import Sample, take_sample
+from agent.runtime import Managed, Runtime
+
+log = logging.getLogger(__name__)
+
+REASON_EXCEEDED = "gpu_memory_exceeded"
+REASON_NOT_GRANTED = "gpu_not_granted"
+
+OverrunCallback = Callable[[Managed, dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class EnforcerSettings:
+    """How eagerly to look and how patient to be (see ``configs/agent.yaml``)."""
+
+    poll_interval: float = 0.1
+    sample_interval: float = 1.0
+    tolerance: int = 0
+    samples: int = 2
+    stop_grace: float = 10.0
+
+
+@dataclass
+class Verdict:
+    """One container's standing after a full sample."""
+
+    grant: str
+    reason: str
+    gpu: str
+    observed: int
+    limit: int
+    pids: list[tuple[int, int | None]] = field(default_factory=list)
+
+
+class Enforcer:
+    """Runs the measure → decide → act loop on its own thread; ``latest`` is the newest full sample."""
+
+    def __init__(self, source: GpuSource, devices: list[Device], runtime: Runtime, on_overrun: OverrunCallback,
+                 settings: EnforcerSettings | None = None) -> None:
+        self.source = source
+        self.devices = devices
+        self.runtime = runtime
+        self.settings = settings or EnforcerSettings()
+        self._on_overrun = on_overrun
+        self._strikes: dict[tuple[str, str], int] = {}
+        self._acted: set[str] = set()
+        self._baseline: dict[str, int] = {}
+        self._room: dict[str, int] = {}
+        self._stop = threading.Event()
+        self.latest: Sample | None = None
+        self.latest_at = 0.0
+        self.full_samples = 0
+
+    def stop(self) -> None:
+        """End the loop."""
+        self._stop.set()
+
+    def run(self) -> None:
+        """Poll until stopped; never raises (a failing sample is logged and retried)."""
+        next_full = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                if now >= next_full or self._grew_past_room():
+                    suspicious = self.check()
+                    interval = self.settings.poll_interval if suspicious else self.settings.sample_interval
+                    next_full = time.monotonic() + interval
+            except Exception:  # keep enforcing whatever one sample did
+                log.exception("GPU memory sample failed")
+                next_full = time.monotonic() + self.settings.sample_interval
+            self._stop.wait(self.settings.poll_interval)
+
+    def check(self) -> bool:
+        """Take a full sample, act on every container over its grant; True while some are over but not yet acted on."""
+        sample = take_sample(self.source, self.devices, self.runtime)
+        self.latest, self.latest_at = sample, time.monotonic()
+        self.full_samples += 1
+        managed = {m.grant: m for m in self.runtime.managed() if m.state == "running"}
+        verdicts = self._judge(sample, managed)
+        self._remember_room(sample, managed)
+        pending = False
+        for verdict in verdicts:
+            key = (verdict.grant, verdict.gpu)
+            self._strikes[key] = self._strikes.get(key, 0) + 1
+            if self._strikes[key] >= self.settings.samples and verdict.grant not in self._acted:
+                self._act(managed[verdict.grant], verdict)
+            else:
+                pending = pending or verdict.grant not in self._acted
+        over = {(v.grant, v.gpu) for v in verdicts}
+        self._strikes = {k: n for k, n in self._strikes.items() if k in over}
+        self._acted &= set(managed)
+        return pending
+
+    # --- decide ------------------------------------------------------------------------------
+    def _judge(self, sample: Sample, managed: dict[str, Managed]) -> list[Verdict]:
+        verdicts = []
+        for grant, per_gpu in sample.usage.items():
+            container = managed.get(grant)
+            if container is None:
+                continue
+            for gpu, used in per_gpu.items():
+                pids = sample.pids.get(grant, {}).get(gpu, [])
+                if gpu not in container.gpus and used > 0:
+                    verdicts.append(Verdict(grant, REASON_NOT_GRANTED, gpu, used, 0, pids))
+                elif used > container.gpu_memory + self.settings.tolerance:
+                    verdicts.append(Verdict(grant, REASON_EXCEEDED, gpu, used, container.gpu_memory, pids))
+        return verdicts
+
+    def _remember_room(self, sample: Sample, managed: dict[str, Managed]) -> None:
+        """For each GPU: used bytes now, and the least growth that could push a container over."""
+        self._baseline = {g.uuid: g.memory_used for g in sample.gpus}
+        room: dict[str, int] = {}
+        for container in managed.values():
+            for gpu in container.gpus:
+                used = sample.usage.get(container.grant, {}).get(gpu, 0)
+                left = max(0, container.gpu_memory + self.settings.tolerance - used)
+                room[gpu] = min(room.get(gpu, left), left)
+        self._room = room
+
+    def _grew_past_room(self) -> bool:
+        """Cheap check: did any GPU's used memory grow by more than its tightest container's room?"""
+        memory = self.source.memory_snapshot()
+        for device in self.devices:
+            base = self._baseline.get(device.uuid)
+            if base is None:
+                return True
+            grown = memory[device.uuid] - base
+            if grown > 0 and (grown > self._room.get(device.uuid, 0) or device.uuid not in self._room):
+                return True
+        return False
+
+    # --- act ---------------------------------------------------------------------------------
+    def _act(self, container: Managed, verdict: Verdict) -> None:
+        if not self._still_theirs(container, verdict):
+            log.info("overrun of %s not confirmed: its processes are gone or reused", container.grant)
+            return
+        self._acted.add(container.grant)
+        detail = {"reason": verdict.reason, "gpu": verdict.gpu, "observed": verdict.observed,
+                  "grant_bytes": verdict.limit, "action": container.on_overrun, "at": time.time(),
+                  "pids": [pid for pid, _ in verdict.pids]}
+        log.warning("container %s (%s) uses %d bytes on %s over its %d: %s", container.container_id[:12],
+                    container.grant, verdict.observed, verdict.gpu, verdict.limit, container.on_overrun)
+        if container.on_overrun == "kill":
+            self.runtime.kill(container.grant, verdict.reason, detail)
+        elif container.on_overrun == "stop":
+            self.runtime.stop(container.grant, verdict.reason, detail, self.settings.stop_grace)
+        self._on_overrun(container, detail)
+
+    def _still_theirs(self, container: Managed, verdict: Verdict) -> bool:
+        for pid, started in verdict.pids:
+            owner = self.runtime.owner_of(pid)
+            if owner is not None and owner.grant == container.grant and procmap.start_time_of(pid) == started:
+                return True
+        return False

@@ -1,0 +1,101 @@
+"""Which container or process group a host PID belongs to, read cheaply from ``/proc``.
+
+The enforcer learns GPU usage per host PID (from NVML or the simulator) and must charge it to a
+managed container or host process; these helpers answer that with one small file read each.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+PROC = "/proc"
+
+#: A full container id as Docker, containerd and CRI-O write it into cgroup paths. The look-arounds
+#: keep longer hex runs (and the tail of one) from matching.
+CONTAINER_ID = re.compile(r"(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")
+
+#: ``/proc/<pid>/stat`` fields counted from 1, as ``man 5 proc`` numbers them. Fields after the
+#: command name start at number 3 (``state``).
+STAT_FIRST_FIELD_AFTER_COMM = 3
+STAT_START_TIME_FIELD = 22
+STAT_START_STACK_FIELD = 28
+
+
+def container_ids_of(pid: int, proc: str = PROC) -> list[str]:
+    """Return every container id found in ``/proc/<pid>/cgroup``, outermost first, innermost last.
+
+    Works for cgroup v1 (``hierarchy:controllers:path``) and v2 (``0::path``) lines and for the
+    cgroupfs and systemd drivers of Docker, containerd and CRI-O, because all of them put the full
+    64-hex id somewhere in the path. Nested containers yield several ids; callers try them from the
+    end. Returns ``[]`` when the process is gone or is in no container.
+    """
+    text = _read_text(os.path.join(proc, str(pid), "cgroup"))
+    if text is None:
+        return []
+    ids: dict[str, None] = {}
+    for line in text.splitlines():
+        path = line.split(":", 2)[-1]
+        ids.update(dict.fromkeys(CONTAINER_ID.findall(path)))
+    return list(ids)
+
+
+def process_group_of(pid: int) -> int | None:
+    """Return the process group id of ``pid``, or ``None`` when the process is gone."""
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def start_time_of(pid: int, proc: str = PROC) -> int | None:
+    """Return when ``pid`` started, in clock ticks since boot, or ``None`` when it is gone.
+
+    A PID and its start time together name one process for good, so callers use the pair to notice
+    that a PID was reused.
+    """
+    identity = identity_of(pid, proc)
+    return None if identity is None else identity[0]
+
+
+def identity_of(pid: int, proc: str = PROC) -> tuple[int, str, int] | None:
+    """Return ``(start time, command name, stack start)`` of ``pid`` from one read of its ``stat``.
+
+    Caches keyed on this triple go stale exactly when they should: the start time changes when the
+    PID is reused, and the command name or the (randomised) stack address changes when the process
+    execs another program, which may bring a new environment. ``None`` when the process is gone.
+    """
+    parsed = _stat_of(pid, proc)
+    if parsed is None:
+        return None
+    comm, fields = parsed
+    start, stack = _stat_field(fields, STAT_START_TIME_FIELD), _stat_field(fields, STAT_START_STACK_FIELD)
+    if start is None:
+        return None
+    return start, comm, stack or 0
+
+
+def _stat_of(pid: int, proc: str) -> tuple[str, list[str]] | None:
+    text = _read_text(os.path.join(proc, str(pid), "stat"))
+    if text is None:
+        return None
+    # The command name may itself hold ")" or spaces; only the last ")" closes it.
+    head, sep, tail = text.rpartition(")")
+    if not sep:
+        return None
+    return head.partition("(")[2], tail.split()
+
+
+def _stat_field(fields: list[str], number: int) -> int | None:
+    index = number - STAT_FIRST_FIELD_AFTER_COMM
+    if index >= len(fields) or not fields[index].isdigit():
+        return None
+    return int(fields[index])
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return handle.read()
+    except OSError:  # gone, or not ours to read: both mean "nothing to learn here"
+        return None
