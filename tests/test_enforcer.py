@@ -1,0 +1,112 @@
+"""The enforcer's decisions on real host processes: re-checks before acting, strikes, unmanaged PIDs."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from agent.enforcer import Enforcer, EnforcerSettings, Verdict
+from agent.gpus import SimSource, parse_sim_spec
+from agent.procmap import start_time_of
+from agent.runtime import ProcessRuntime
+from tests.procs import wait_for
+from wire.protocol import ContainerSpec
+
+GiB = 1 << 30
+
+
+@pytest.fixture
+def setup(tmp_path):
+    devices = parse_sim_spec("sim:1x8GiB", seed=f"unit-{tmp_path.name}")
+    source = SimSource(devices)
+    exits: list = []
+    runtime = ProcessRuntime(exits.append, log_dir=str(tmp_path / "logs"))
+    overruns: list = []
+    enforcer = Enforcer(source, devices, runtime, lambda m, d: overruns.append(d), EnforcerSettings(samples=2))
+    yield tmp_path, devices[0].uuid, runtime, enforcer, overruns, exits
+    for managed in runtime.managed():
+        runtime.remove(managed.grant, 1)
+
+
+def start(tmp_path: Path, runtime: ProcessRuntime, uuid: str, use: int, grant: str = "g1"):
+    usage = tmp_path / f"{grant}.use"
+    usage.write_text(str(use))
+    spec = ContainerSpec(grant=grant, name=grant, command=["sleep", "300"], gpus=[uuid], gpu_memory=GiB,
+                         env={"GPUMGR_SIM_USAGE_FILE": str(usage)})
+    return runtime.create(spec), usage
+
+
+def test_two_consecutive_samples_over_the_grant_are_needed(setup):
+    tmp_path, uuid, runtime, enforcer, overruns, exits = setup
+    _managed, usage = start(tmp_path, runtime, uuid, 2 * GiB)
+    assert enforcer.check() is True and not overruns  # first strike: look again soon
+    usage.write_text(str(GiB // 2))
+    assert enforcer.check() is False and not overruns  # back under: strikes reset
+    usage.write_text(str(2 * GiB))
+    enforcer.check()
+    enforcer.check()
+    assert [o["reason"] for o in overruns] == ["gpu_memory_exceeded"]
+    wait_for(lambda: exits, 5, what="the killed process to be reported")
+    assert exits[0].state == "killed" and exits[0].detail["observed"] == 2 * GiB
+
+
+def test_a_reused_pid_is_not_acted_on(setup):
+    tmp_path, uuid, runtime, enforcer, overruns, _ = setup
+    managed, _ = start(tmp_path, runtime, uuid, 2 * GiB)
+    stale = Verdict(managed.grant, "gpu_memory_exceeded", uuid, 2 * GiB, GiB,
+                    [(managed.pid, (start_time_of(managed.pid) or 0) - 1)])
+    enforcer._act(managed, stale)
+    assert not overruns and managed.state == "running"
+
+
+def test_a_pid_now_outside_the_container_is_not_acted_on(setup):
+    tmp_path, uuid, runtime, enforcer, overruns, _ = setup
+    managed, _ = start(tmp_path, runtime, uuid, 2 * GiB)
+    stranger = subprocess.Popen(["sleep", "30"])
+    try:
+        moved = Verdict(managed.grant, "gpu_memory_exceeded", uuid, 2 * GiB, GiB,
+                        [(stranger.pid, start_time_of(stranger.pid))])
+        enforcer._act(managed, moved)
+        assert not overruns and managed.state == "running" and stranger.poll() is None
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_gone_pid_is_not_acted_on(setup):
+    tmp_path, uuid, runtime, enforcer, overruns, _ = setup
+    managed, _ = start(tmp_path, runtime, uuid, 2 * GiB)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    enforcer._act(managed, Verdict(managed.grant, "gpu_memory_exceeded", uuid, 2 * GiB, GiB, [(gone.pid, 1)]))
+    assert not overruns and managed.state == "running"
+
+
+def test_unmanaged_processes_count_as_unmanaged_and_are_never_judged(setup):
+    tmp_path, uuid, _runtime, enforcer, overruns, _ = setup
+    usage = tmp_path / "stranger.use"
+    usage.write_text(str(7 * GiB))
+    stranger = subprocess.Popen(["sleep", "30"], env={"GPUMGR_SIM_USAGE_FILE": str(usage),
+                                                      "NVIDIA_VISIBLE_DEVICES": uuid, "PATH": "/usr/bin:/bin"})
+    try:
+        for _ in range(3):
+            enforcer.check()
+        sample = enforcer.latest
+        assert sample.gpus[0].memory_unmanaged == 7 * GiB and not sample.usage
+        assert not overruns and stranger.poll() is None
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_growth_past_the_tightest_room_triggers_a_full_sample(setup):
+    tmp_path, uuid, runtime, enforcer, _, _ = setup
+    _, usage = start(tmp_path, runtime, uuid, GiB // 2)
+    enforcer.check()
+    assert enforcer._grew_past_room() is False
+    usage.write_text(str(GiB // 2 + GiB // 4))
+    assert enforcer._grew_past_room() is False  # still inside the grant's room
+    usage.write_text(str(GiB + 1))
+    assert enforcer._grew_past_room() is True
