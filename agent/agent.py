@@ -11,23 +11,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import zmq
 
 from agent.enforcer import Enforcer, EnforcerSettings
 from agent.gpus import GpuSource
 from agent.meter import Sample, take_sample
-from agent.runtime import Managed, Runtime
+from agent.runtime import Managed, Runtime, task_env
 from wire import defaults, protocol
 from wire.errors import GpumgrError, ProtocolError
 
 log = logging.getLogger(__name__)
 WORKERS = 8
 DEFAULT_ENFORCEMENT = EnforcerSettings()
+#: How long the runtime hook's request may wait for the manager before the hook is told no.
+HOOK_TIMEOUT = 20.0
+#: A task container that has not started this long after its grant gives the grant back.
+TASK_START_TIMEOUT = 120.0
 
 
 class Agent:
@@ -35,7 +41,7 @@ class Agent:
 
     def __init__(self, node: str, endpoint: str, source: GpuSource, runtime: Runtime, *,
                  heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL,
-                 enforcement: EnforcerSettings | None = DEFAULT_ENFORCEMENT) -> None:
+                 enforcement: EnforcerSettings | None = DEFAULT_ENFORCEMENT, hook_socket: str | None = None) -> None:
         self.node = node
         self.endpoint = endpoint
         self.source = source
@@ -50,6 +56,9 @@ class Agent:
         self._wake: zmq.Socket | None = None
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="agent-cmd")
         self._stop = threading.Event()
+        self.hook_socket = hook_socket
+        self._hook: zmq.Socket | None = None
+        self._reserving: dict[str, tuple[bytes, str, protocol.Reserve, float]] = {}
         self.enforcer = None if enforcement is None else Enforcer(source, self.devices, runtime, self.report_overrun,
                                                                   enforcement)
 
@@ -82,6 +91,10 @@ class Agent:
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
+        if self.hook_socket:
+            self._hook = self._bind_hook(self.hook_socket)
+            if self._hook is not None:
+                poller.register(self._hook, zmq.POLLIN)
         backoff, next_register, next_beat = defaults.RECONNECT_MIN, 0.0, 0.0
         try:
             while not self._stop.is_set():
@@ -100,9 +113,15 @@ class Agent:
                 self._flush(dealer)
                 if dealer in events and self._drain(dealer):
                     backoff, next_beat = defaults.RECONNECT_MIN, 0.0
+                if self._hook is not None:
+                    if self._hook in events:
+                        self._drain_hook(dealer)
+                    self._expire_reservations()
         finally:
             dealer.close(linger=0)
             pull.close(linger=0)
+            if self._hook is not None:
+                self._hook.close(linger=0)
             self._pool.shutdown(wait=False, cancel_futures=True)
             with self._wake_lock:
                 if self._wake is not None:
@@ -119,6 +138,78 @@ class Agent:
         dealer.connect(self.endpoint)
         return dealer
 
+    def _bind_hook(self, path: str) -> zmq.Socket | None:
+        """The local socket the OCI runtime hook asks for task grants on (root only); None if it cannot be bound."""
+        hook = self._ctx.socket(zmq.ROUTER)
+        hook.setsockopt(zmq.LINGER, 0)
+        hook.setsockopt(zmq.MAXMSGSIZE, defaults.MAX_MESSAGE_BYTES)
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).unlink(missing_ok=True)
+            hook.bind(f"ipc://{path}")
+            os.chmod(path, 0o600)
+        except (OSError, zmq.ZMQError) as exc:
+            log.warning("no Swarm task grants on this node: cannot bind the hook socket %s (%s)", path, exc)
+            hook.close(linger=0)
+            return None
+        log.info("runtime hook socket on %s", path)
+        return hook
+
+    def _drain_hook(self, dealer: zmq.Socket) -> None:
+        while True:
+            try:
+                parts = self._hook.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(parts) != 3 or parts[1]:
+                log.warning("dropped a malformed message on the hook socket")
+                continue
+            try:
+                envelope, message = protocol.decode(parts[2])
+            except ProtocolError as exc:
+                log.warning("dropped a malformed message from the runtime hook: %s", exc)
+                continue
+            self._forward_reserve(dealer, parts[0], envelope, message)
+
+    def _forward_reserve(self, dealer: zmq.Socket, hook_id: bytes, envelope: protocol.Envelope,
+                         message: protocol.Message) -> None:
+        if not isinstance(message, protocol.Reserve):
+            self._answer_hook(hook_id, envelope.id, error=("protocol_error", f"unexpected {envelope.type}"))
+        elif not self.registered.is_set():
+            self._answer_hook(hook_id, envelope.id, error=("no_agents", "this agent is not registered with a manager"))
+        elif not hasattr(self.runtime, "track_task"):
+            self._answer_hook(hook_id, envelope.id, error=("invalid_request", "GPU tasks need the Docker runtime"))
+        else:
+            message.node = self.node
+            forward_id = protocol.new_id()
+            self._reserving[forward_id] = (hook_id, envelope.id, message, time.monotonic() + HOOK_TIMEOUT)
+            self._send(dealer, protocol.encode(message, msg_id=forward_id))
+
+    def _reserved(self, envelope: protocol.Envelope, reply: protocol.Reply) -> None:
+        hook_id, hook_msg, request, _ = self._reserving.pop(envelope.reply_to or "", (b"", "", None, 0))
+        if request is None:
+            return
+        if not reply.ok:
+            error = reply.error or protocol.ErrorBody(code="error", message="unknown error")
+            self._answer_hook(hook_id, hook_msg, error=(error.code, error.message))
+            return
+        managed = self.runtime.track_task(request.container_id, reply.result, request)
+        self._answer_hook(hook_id, hook_msg, result={"grant": managed.grant, "gpus": managed.gpus,
+                                                     "env": task_env(managed, self.node, self.runtime.mps)})
+
+    def _expire_reservations(self) -> None:
+        now = time.monotonic()
+        for forward_id in [k for k, v in self._reserving.items() if v[3] < now]:
+            hook_id, hook_msg, _, _ = self._reserving.pop(forward_id)
+            self._answer_hook(hook_id, hook_msg, error=("agent_timeout", "the manager did not answer in time"))
+
+    def _answer_hook(self, hook_id: bytes, msg_id: str, *, result: dict | None = None,
+                     error: tuple[str, str] | None = None) -> None:
+        reply = protocol.Reply(ok=error is None, result=result or {},
+                               error=protocol.ErrorBody(code=error[0], message=error[1]) if error else None)
+        with contextlib.suppress(zmq.ZMQError):  # the hook gave up waiting
+            self._hook.send_multipart([hook_id, b"", protocol.encode(reply, reply_to=msg_id)], zmq.NOBLOCK)
+
     def _register_message(self) -> protocol.Register:
         gpus = [protocol.GpuInfo(uuid=d.uuid, index=d.index, name=d.name, memory_total=d.memory_total)
                 for d in self.devices]
@@ -126,6 +217,8 @@ class Agent:
                                  containers=[m.report() for m in self.runtime.managed()])
 
     def _heartbeat_message(self) -> protocol.Heartbeat:
+        if hasattr(self.runtime, "expire_creating"):
+            self.runtime.expire_creating(TASK_START_TIMEOUT)
         sample = self._fresh_sample()
         containers = [m.report(sample.usage.get(m.grant)) for m in self.runtime.managed()]
         return protocol.Heartbeat(node=self.node, gpus=sample.gpus, containers=containers)
@@ -172,7 +265,9 @@ class Agent:
             self.registered.set()
             log.info("registered with the manager at %s", self.endpoint)
             return True
-        if isinstance(message, protocol.Reregister):
+        if isinstance(message, protocol.Reply):
+            self._reserved(envelope, message)
+        elif isinstance(message, protocol.Reregister):
             log.info("the manager does not know this node (it restarted?): registering again")
             self.registered.clear()
         elif isinstance(message, protocol.Create):
@@ -216,7 +311,7 @@ class Agent:
 
 
 def build_runtime(kind: str, on_exit, *, network_mode: str | None, device_requests: str, gpu_kind: str,
-                  log_dir: str, mps: bool = False) -> Runtime:
+                  log_dir: str, mps: bool = False, node: str = "") -> Runtime:
     """The runtime ``kind`` (``auto`` picks Docker when the engine answers, else host processes)."""
     from agent.runtime import DockerRuntime, ProcessRuntime, docker_answers
 
@@ -225,7 +320,7 @@ def build_runtime(kind: str, on_exit, *, network_mode: str | None, device_reques
     if kind == "process":
         return ProcessRuntime(on_exit, log_dir=log_dir, mps=mps)
     use_requests = device_requests == "always" or (device_requests == "auto" and gpu_kind == "nvml" and _has_nvidia())
-    return DockerRuntime(on_exit, network_mode=network_mode, device_requests=use_requests, mps=mps)
+    return DockerRuntime(on_exit, node=node, network_mode=network_mode, device_requests=use_requests, mps=mps)
 
 
 def _has_nvidia() -> bool:

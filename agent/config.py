@@ -38,4 +38,5 @@ class AgentSettings(Settings):
     overrun_samples: int = Field(2, ge=1)
     stop_grace: float = Field(10.0, ge=0)
     mps: bool = False
+    hook_socket: str | None = "/run/gpumgr/agent.sock"
     log_level: str = "INFO"

@@ -26,12 +26,20 @@ from docker.types import DeviceRequest
 from agent import procmap
 from wire import defaults
 from wire.errors import NotFound, RuntimeFailure
-from wire.protocol import ContainerReport, ContainerSpec
+from wire.protocol import ContainerReport, ContainerSpec, Reserve
 
 log = logging.getLogger(__name__)
 
 LABEL_PREFIX = "gpumgr."
 LABEL_GRANT = "gpumgr.grant"
+LABEL_NODE = "gpumgr.node"
+LABEL_TASK = "gpumgr.task"
+LABEL_SERVICE = "gpumgr.service"
+#: What the runtime hook writes into a task container's environment: the grant travels with it.
+ENV_GRANT = "GPUMGR_GRANT"
+ENV_MEMORY = "GPUMGR_GPU_MEMORY"
+ENV_NODE = "GPUMGR_NODE"
+ENV_ON_OVERRUN = "GPUMGR_ON_OVERRUN"
 EVENT_RETRY = 1.0
 
 
@@ -81,6 +89,12 @@ def grant_env(spec: ContainerSpec, mps: bool = False) -> dict[str, str]:
         mib = max(1, spec.gpu_memory // (1 << 20))
         env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{i}={mib}M" for i in range(len(spec.gpus)))
     return env
+
+
+def task_env(managed: Managed, node: str, mps: bool = False) -> dict[str, str]:
+    """What the runtime hook writes into a task container's environment: its pinning and its grant."""
+    spec = ContainerSpec(grant=managed.grant, name=managed.name, gpus=managed.gpus, gpu_memory=managed.gpu_memory)
+    return {**grant_env(spec, mps), ENV_NODE: node, ENV_ON_OVERRUN: managed.on_overrun}
 
 
 class Runtime:
@@ -147,7 +161,7 @@ class Runtime:
 
     def _exited(self, managed: Managed, exit_code: int | None) -> None:
         with self._lock:
-            if managed.state != "running":
+            if managed.state not in ("running", "creating"):
                 return
             managed.state = "killed" if managed.reason else "exited"
             managed.exit_code = exit_code
@@ -159,9 +173,10 @@ class DockerRuntime(Runtime):
 
     kind = "docker"
 
-    def __init__(self, on_exit: ExitCallback, *, network_mode: str | None = None, device_requests: bool = False,
-                 client: docker.DockerClient | None = None, mps: bool = False) -> None:
+    def __init__(self, on_exit: ExitCallback, *, node: str = "", network_mode: str | None = None,
+                 device_requests: bool = False, client: docker.DockerClient | None = None, mps: bool = False) -> None:
         super().__init__(on_exit, mps=mps)
+        self.node = node
         self.client = client or docker.from_env()
         self.network_mode = network_mode
         self.device_requests = device_requests
@@ -176,7 +191,7 @@ class DockerRuntime(Runtime):
         """Create, label and start the container; on any failure nothing is left behind."""
         if not spec.image:
             raise RuntimeFailure("an image is required on a node that runs Docker", code="invalid_request")
-        labels = {**spec.labels, **_grant_labels(spec)}
+        labels = {**spec.labels, **_grant_labels(spec), LABEL_NODE: self.node}
         requests = [DeviceRequest(driver="nvidia", device_ids=spec.gpus, capabilities=[["gpu"]])] \
             if self.device_requests else None
         try:
@@ -264,8 +279,37 @@ class DockerRuntime(Runtime):
                 self._by_id.pop(managed.container_id, None)
             return managed
 
+    def track_task(self, container_id: str, grant: dict, request: Reserve) -> Managed:
+        """Manage a container that the runtime hook is creating for a Swarm task, under ``grant``.
+
+        It is ``creating`` until Docker reports it started. A repeated create of the same container
+        (``docker start`` of a stopped task) keeps the entry it has.
+        """
+        with self._lock:
+            existing = self._table.get(grant["grant"])
+            if existing is not None:
+                return existing
+        managed = Managed(grant=grant["grant"], container_id=container_id, name=request.name,
+                          gpus=list(grant["gpus"]), gpu_memory=int(grant["gpu_memory"]), image=request.image,
+                          labels=dict(request.labels),
+                          on_overrun=str(grant.get("on_overrun") or "kill"), created_at=time.time(), state="creating")
+        self._track(managed)
+        return managed
+
+    def expire_creating(self, older_than: float) -> None:
+        """Give up on task containers that never started: their grants go back to the manager."""
+        cutoff = time.time() - older_than
+        for managed in self.managed():
+            if managed.state == "creating" and managed.created_at < cutoff:
+                managed.reason = "never_started"
+                self._exited(managed, None)
+                self._untrack(managed.grant)
+
     def _adopt(self) -> None:
-        for container in self.client.containers.list(all=True, filters={"label": LABEL_GRANT}):
+        for container in self.client.containers.list(filters={"label": LABEL_TASK}):
+            self._adopt_task(container)
+        mine = {"label": [LABEL_GRANT, f"{LABEL_NODE}={self.node}"]}
+        for container in self.client.containers.list(all=True, filters=mine):
             state = container.attrs["State"]
             running = bool(state.get("Running"))
             managed = _managed_from_labels(container.id, container.labels, container.attrs["Config"].get("Image", ""),
@@ -275,12 +319,27 @@ class DockerRuntime(Runtime):
             self._track(managed)
             log.info("re-adopted %s container %s (grant %s)", managed.state, container.id[:12], managed.grant)
 
+    def _adopt_task(self, container: docker.models.containers.Container) -> None:
+        """Re-adopt a running task container: its grant lives in its main process's environment."""
+        pid = container.attrs["State"].get("Pid") or 0
+        env = _environ(pid)
+        if env.get(ENV_NODE) != self.node or ENV_GRANT not in env:
+            return
+        labels = {k: container.labels.get(k, "") for k in (LABEL_TASK, LABEL_SERVICE)}
+        managed = Managed(grant=env[ENV_GRANT], container_id=container.id, name=container.name,
+                          gpus=env.get("NVIDIA_VISIBLE_DEVICES", "").split(","),
+                          gpu_memory=int(env.get(ENV_MEMORY, "1")),
+                          image=container.attrs["Config"].get("Image", ""), labels=labels, pid=pid,
+                          on_overrun=env.get(ENV_ON_OVERRUN, "kill"), created_at=time.time())
+        self._track(managed)
+        log.info("re-adopted task container %s (grant %s)", container.id[:12], managed.grant)
+
     def _watch(self) -> None:
         while not self._stop.is_set():
             try:
                 self._events = self.client.events(
                     decode=True, since=int(time.time()) - 1,
-                    filters={"type": "container", "label": [LABEL_GRANT], "event": ["die", "destroy"]},
+                    filters={"type": "container", "event": ["start", "die", "destroy"]},
                 )
                 for event in self._events:
                     self._on_event(event)
@@ -296,10 +355,18 @@ class DockerRuntime(Runtime):
             managed = self._table.get(grant) if grant else None
         if managed is None:
             return
-        if event.get("Action") == "die":
+        action = event.get("Action")
+        if action == "start":
+            with self._lock:
+                if managed.state == "creating":
+                    managed.state = "running"
+        elif action == "die":
             code = event.get("Actor", {}).get("Attributes", {}).get("exitCode")
             self._exited(managed, int(code) if code is not None and str(code).isdigit() else None)
-        elif event.get("Action") == "destroy":
+        elif action == "destroy":
+            if managed.state == "creating":
+                managed.reason = "removed_before_start"
+                self._exited(managed, None)
             self._untrack(managed.grant)
 
 
@@ -416,6 +483,14 @@ def _signal_group(pgid: int | None, sig: signal.Signals) -> None:
         return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes() if pid else b""
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
 
 def docker_answers() -> bool:

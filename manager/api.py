@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from flask import Blueprint, Response, current_app, jsonify, request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
-from manager.cluster import PlacementSpec, State
+from manager.cluster import SERVICE_LABEL, PlacementSpec, State
 from manager.service import Manager
 from wire.errors import InvalidRequest
 from wire.units import parse_bytes
@@ -81,6 +81,9 @@ def list_containers() -> Response:
         raise InvalidRequest(f"state must be one of {', '.join(s.value for s in State)}, not {state!r}")
     cluster = manager().cluster
     records = cluster.containers(state=state, node=request.args.get("node"))
+    service = request.args.get("service")
+    if service is not None:
+        records = [r for r in records if r.labels.get(SERVICE_LABEL) == service]
     return jsonify({"containers": [cluster.view(r) for r in records]})
 
 

@@ -155,9 +155,10 @@ def build_agent(settings: AgentSettings) -> Any:
     holder: list[Agent] = []
     runtime = build_runtime(settings.runtime, lambda m: holder[0].report_exit(m), network_mode=settings.network_mode,
                             device_requests=settings.device_requests, gpu_kind=source.kind,
-                            log_dir=settings.process_log_dir, mps=settings.mps)
+                            log_dir=settings.process_log_dir, mps=settings.mps, node=settings.node)
+    hook = settings.hook_socket if runtime.kind == "docker" else None
     agent = Agent(settings.node, settings.manager, source, runtime, heartbeat_interval=settings.heartbeat_interval,
-                  enforcement=settings.enforcement())
+                  enforcement=settings.enforcement(), hook_socket=hook or None)
     holder.append(agent)
     return agent
 

@@ -39,6 +39,9 @@ class State(StrEnum):
 
 
 LIVE = frozenset({State.CREATING, State.RUNNING})
+#: Label the runtime hook puts on grants it asks for: the Swarm task (or other creator) it serves.
+TASK_LABEL = "gpumgr.task"
+SERVICE_LABEL = "gpumgr.service"
 
 
 @dataclass(eq=False)
@@ -101,6 +104,7 @@ class PlacementSpec:
     labels: dict[str, str] = field(default_factory=dict)
     node: str | None = None
     on_overrun: str = "kill"
+    container_id: str | None = None
 
 
 class Cluster:
@@ -180,7 +184,7 @@ class Cluster:
             record = Container(
                 id=cid, name=spec.name or f"gpumgr-{cid}", node=slots[0].node, gpus=[s.uuid for s in slots],
                 gpu_memory=spec.memory, image=spec.image, command=list(spec.command), env=dict(spec.env),
-                labels=dict(spec.labels), on_overrun=spec.on_overrun,
+                labels=dict(spec.labels), on_overrun=spec.on_overrun, container_id=spec.container_id,
             )
             self._containers[cid] = record
             self._grant(record)
@@ -193,11 +197,20 @@ class Cluster:
         with self._lock:
             record = self._get(cid)
             record.container_id = report.container_id
-            if record.state is State.CREATING:
-                record.state = State.RUNNING
+            if record.state is not State.CREATING:
+                return record
+            record.state = State.RUNNING
         self.events.record(EventType.STARTED, f"container {report.container_id[:12]} running",
                            node=record.node, container=cid)
         return record
+
+    def live_grant_of(self, node: str, container_id: str) -> Container | None:
+        """The live record already granted to ``container_id`` on ``node`` (a repeated create), if any."""
+        with self._lock:
+            for record in self._containers.values():
+                if record.container_id == container_id and record.node == node and record.state in LIVE:
+                    return record
+        return None
 
     def finish(self, cid: str, state: State, *, reason: str | None = None, exit_code: int | None = None,
                detail: dict[str, Any] | None = None) -> Container:
@@ -329,7 +342,9 @@ class Cluster:
         for report in reports:
             seen.add(report.grant)
             record = self._containers.get(report.grant)
-            if record is None:
+            if record is not None and record.node != node.name:
+                log.warning("node %s reports grant %s of node %s; ignored", node.name, report.grant, record.node)
+            elif record is None:
                 self._adopt(node, report)
             elif record.state in LIVE:
                 self._refresh(record, report)
@@ -343,6 +358,11 @@ class Cluster:
     def _refresh(self, record: Container, report: ContainerReport) -> None:
         record.usage = dict(report.usage)
         record.container_id = report.container_id
+        if record.state is State.CREATING and report.state == State.RUNNING and record.labels.get(TASK_LABEL):
+            # a Swarm task has no REST caller waiting to mark it running: its agent's report does
+            record.state = State.RUNNING
+            self.events.record(EventType.STARTED, f"task container {report.container_id[:12]} running",
+                               node=record.node, container=record.id)
         if report.state in (State.EXITED, State.KILLED) and record.state is State.RUNNING:
             state = State.KILLED if report.state == "killed" else State.EXITED
             self._finish(record, state, report.reason, report.exit_code, {})

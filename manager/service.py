@@ -8,7 +8,7 @@ from typing import Any
 
 from manager.cluster import LIVE, Cluster, PlacementSpec, State
 from manager.config import ManagerSettings
-from manager.events import EventLog
+from manager.events import EventLog, EventType
 from manager.link import ManagerLink
 from wire import protocol
 from wire.errors import AgentFailed, AgentTimeout, GpumgrError, NoAgents
@@ -98,6 +98,8 @@ class Manager:
             log.info("node %s registered with %d GPUs", message.node, len(message.gpus))
         elif isinstance(message, protocol.ContainerEvent):
             self._on_container_event(message)
+        elif isinstance(message, protocol.Reserve):
+            self.link.send(routing_id, self._reserve(message), reply_to=envelope.id)
         else:
             log.warning("dropped an unexpected %s message from an agent", envelope.type)
 
@@ -115,6 +117,26 @@ class Manager:
             state = State.KILLED if report.state == "killed" else State.EXITED
             self.cluster.finish(record.id, state, reason=report.reason, exit_code=report.exit_code,
                                 detail=event.detail)
+
+    def _reserve(self, request: protocol.Reserve) -> protocol.Reply:
+        """Grant memory on the asking node for a container its runtime hook is creating (a Swarm task)."""
+        record = self.cluster.live_grant_of(request.node, request.container_id)
+        if record is None:
+            spec = PlacementSpec(
+                memory=request.gpu_memory, count=request.gpus, placement=self.settings.placement,
+                image=request.image or None, command=[], name=request.name or None, labels=request.labels,
+                node=request.node, on_overrun=request.on_overrun or self.settings.on_overrun,
+                container_id=request.container_id,
+            )
+            try:
+                record = self.cluster.reserve(spec)
+            except GpumgrError as exc:
+                self.events.record(EventType.FAILED, f"task {request.name or request.container_id[:12]} "
+                                   f"waits: {exc.message}", node=request.node, container=None, **request.labels)
+                return protocol.Reply(ok=False, error=protocol.ErrorBody(**exc.to_dict()))
+        result = {"grant": record.id, "gpus": record.gpus, "gpu_memory": record.gpu_memory,
+                  "on_overrun": record.on_overrun}
+        return protocol.Reply(ok=True, result=result)
 
     def _send_removals(self, routing_id: bytes, grants: list[str]) -> None:
         for grant in grants:

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,8 @@ class AgentProc(Proc):
                  runtime: str = "docker", env: dict[str, str] | None = None, wait: bool = True) -> None:
         self.node = node
         self.manager = manager
-        env = {"GPUMGR_NETWORK_MODE": "none", **(env or {})}
+        self.hook_socket = os.path.join(tempfile.mkdtemp(prefix="gpumgr-"), "hook.sock")
+        env = {"GPUMGR_NETWORK_MODE": "none", "GPUMGR_HOOK_SOCKET": self.hook_socket, **(env or {})}
         super().__init__(["agent", "--manager", manager.endpoint, "--node", node, "--gpus", gpus,
                           "--runtime", runtime], tmp / f"agent-{node}.log", env)
         if wait:

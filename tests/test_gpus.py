@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 import uuid as uuidlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -133,6 +134,18 @@ class ProcView:
             self.add(child)
 
 
+def _wait_exec_done(pid: int) -> None:
+    """Popen returns while the kernel may still be finishing exec (empty cmdline); wait that out."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes():
+                return
+        except OSError:
+            return
+        time.sleep(0.001)
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -148,6 +161,7 @@ def spawn() -> Iterator[Spawn]:
     def start(args: list[str], env: dict[str, str], **kw: Any) -> subprocess.Popen:
         process = subprocess.Popen(args, env={"PATH": os.environ["PATH"], **env}, start_new_session=True, **kw)
         started.append(process)
+        _wait_exec_done(process.pid)
         return process
 
     yield start

@@ -28,6 +28,8 @@ EXAMPLES = [
     protocol.Create(spec=SPEC),
     protocol.Remove(grant="g1", stop_grace=2.0),
     protocol.ContainerEvent(node="n1", container=REPORT, detail={"observed": 7}),
+    protocol.Reserve(container_id="c" * 64, gpu_memory=1 << 30, name="infer.1.abc", labels={"gpumgr.task": "t"},
+                     node="n1"),
     protocol.Reply(ok=True, result={"x": 1}),
     protocol.Reply(ok=False, error=protocol.ErrorBody(code="agent_failed", message="no image")),
 ]

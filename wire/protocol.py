@@ -146,6 +146,26 @@ class ContainerEvent(Message):
     detail: dict[str, Any] = Field(default_factory=dict)
 
 
+class Reserve(Message):
+    """Runtime hook → agent → manager: grant memory for a container Docker is creating right now.
+
+    Swarm tasks cannot carry devices, so their GPU is chosen when the node's OCI runtime hook sees
+    the container being created; the agent fills in ``node`` before forwarding. Answered by a Reply
+    whose result is ``{grant, gpus, gpu_memory}``. Asking again for the same ``container_id`` while
+    its grant lives returns the same grant.
+    """
+
+    TYPE: ClassVar[str] = "reserve"
+    container_id: str = Field(min_length=1, max_length=128)
+    gpu_memory: int = Field(gt=0)
+    gpus: int = Field(default=1, ge=1, le=64)
+    name: str = Field(default="", max_length=256)
+    image: str = Field(default="", max_length=512)
+    labels: dict[str, str] = Field(default_factory=dict)
+    on_overrun: str | None = None
+    node: str = ""
+
+
 class ErrorBody(_Model):
     """The one error shape on the link, the same as on REST."""
 

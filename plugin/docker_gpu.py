@@ -1,0 +1,286 @@
+"""``docker gpu``: a Docker CLI plugin that puts GPU memory grants on containers and Swarm services.
+
+Docker runs ``docker-gpu gpu ARGS`` for ``docker gpu ARGS`` (and ``docker-gpu
+docker-cli-plugin-metadata`` to learn about it). The manager is found from ``--manager``,
+``GPUMGR_MANAGER`` or ``~/.config/gpumgr/plugin.yaml``; its token from ``GPUMGR_TOKEN`` or that file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import requests
+import yaml
+
+from wire.units import format_bytes, parse_bytes
+
+METADATA = {"SchemaVersion": "0.1.0", "Vendor": "gpumgr", "Version": "0.1.0",
+            "ShortDescription": "GPU memory grants for containers and Swarm services"}
+DEFAULT_MANAGER = "http://127.0.0.1:9400"
+CONFIG_PATH = Path("~/.config/gpumgr/plugin.yaml")
+TIMEOUT = 90
+#: Swarm expands these templates per task; the runtime hook reads them when the task's container is created.
+TASK_TEMPLATES = {"GPUMGR_TASK": "{{.Task.ID}}", "GPUMGR_TASK_NAME": "{{.Task.Name}}",
+                  "GPUMGR_SERVICE": "{{.Service.Name}}", "GPUMGR_SLOT": "{{.Task.Slot}}"}
+
+
+class PluginError(Exception):
+    """Something the user must fix; printed as one line, exit status 1."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``docker-gpu``."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["docker-cli-plugin-metadata"]:
+        print(json.dumps(METADATA))
+        return 0
+    if argv[:1] == ["gpu"]:
+        argv = argv[1:]
+    try:
+        return run(argv)
+    except PluginError as exc:
+        print(f"docker gpu: {exc}", file=sys.stderr)
+        return 1
+
+
+def run(argv: list[str]) -> int:
+    """Dispatch ``docker gpu [--manager URL] COMMAND ...``."""
+    manager_url = None
+    while argv[:1] and argv[0].startswith("--manager"):
+        flag = argv.pop(0)
+        manager_url = flag.split("=", 1)[1] if "=" in flag else (argv.pop(0) if argv else None)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    client = Manager(manager_url)
+    command, rest = argv[0], argv[1:]
+    if command == "nodes":
+        return show_nodes(client)
+    if command == "run":
+        return run_container(client, rest)
+    if command == "ps":
+        return show_containers(client)
+    if command == "service":
+        return service(client, rest)
+    raise PluginError(f"unknown command {command!r}; try 'docker gpu --help'")
+
+
+USAGE = """Usage: docker gpu [--manager URL] COMMAND
+
+Commands:
+  service create --gpu-memory SIZE [--gpus N] [--on-overrun kill|stop|report]
+                 [docker service create options] IMAGE [CMD]
+  service ps SERVICE      each replica: node, GPU, grant, usage, or why it waits
+  service rm SERVICE...   (any other 'service' command is passed to 'docker service' unchanged)
+  run --gpu-memory SIZE [--gpus N] [--name NAME] [-e K=V] [-l K=V] [--node NODE] [--placement P] IMAGE [CMD]
+  ps                      containers known to the manager
+  nodes                   the machine x GPU map"""
+
+
+class Manager:
+    """The gpumgr manager's REST API, with errors turned into PluginError."""
+
+    def __init__(self, url: str | None) -> None:
+        settings = _settings()
+        self.url = (url or os.environ.get("GPUMGR_MANAGER") or settings.get("manager") or DEFAULT_MANAGER).rstrip("/")
+        token = os.environ.get("GPUMGR_TOKEN") or settings.get("token")
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def call(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            response = requests.request(method, self.url + path, headers=self.headers, timeout=TIMEOUT, **kw)
+        except requests.RequestException as exc:
+            raise PluginError(f"cannot reach the gpumgr manager at {self.url} ({type(exc).__name__}); "
+                              "set --manager or GPUMGR_MANAGER") from exc
+        try:
+            body = response.json()
+        except ValueError:
+            body = {}
+        if response.status_code >= 400:
+            error = body.get("error", {}) if isinstance(body, dict) else {}
+            raise PluginError(f"{error.get('message', response.reason)} ({error.get('code', response.status_code)})")
+        return body
+
+
+# --- service ---------------------------------------------------------------------------------
+def service(client: Manager, argv: list[str]) -> int:
+    """``docker gpu service ...``: create and ps are ours, everything else is plain ``docker service``."""
+    if argv[:1] == ["create"]:
+        return service_create(client, argv[1:])
+    if argv[:1] == ["ps"] and len(argv) >= 2:
+        return service_ps(client, argv[1:])
+    return _docker(["service", *argv])
+
+
+def service_create(client: Manager, argv: list[str]) -> int:
+    """Check the request against the map, then create the service with the task templates added."""
+    ours, passthrough = _take_options(argv, {"--gpu-memory": True, "--gpus": True, "--on-overrun": True})
+    if "--gpu-memory" not in ours:
+        raise PluginError("--gpu-memory is required, e.g. --gpu-memory 6GiB")
+    memory, count = _memory(ours["--gpu-memory"]), _count(ours.get("--gpus", "1"))
+    _check_fits_somewhere(client, memory, count)
+    extra = [f"--env={k}={v}" for k, v in TASK_TEMPLATES.items()]
+    extra += [f"--env=GPUMGR_REQUEST_MEMORY={memory}", f"--env=GPUMGR_REQUEST_GPUS={count}",
+              f"--label=gpumgr.gpu-memory={memory}", f"--label=gpumgr.gpus={count}"]
+    if "--on-overrun" in ours:
+        if ours["--on-overrun"] not in ("kill", "stop", "report"):
+            raise PluginError("--on-overrun must be kill, stop or report")
+        extra.append(f"--env=GPUMGR_REQUEST_ON_OVERRUN={ours['--on-overrun']}")
+    return _docker(["service", "create", *extra, *passthrough])
+
+
+def service_ps(client: Manager, argv: list[str]) -> int:
+    """Each task of the service with its grant and usage, or the reason it has none."""
+    name = argv[-1]
+    tasks = _docker_json(["service", "ps", "--no-trunc", "--format", "{{json .}}", name])
+    grants = {r["labels"].get("gpumgr.task"): r for r in client.call("GET", "/v1/containers",
+                                                                        params={"service": name})["containers"]}
+    rows = [("TASK", "NODE", "STATE", "GPU", "GRANT", "USED", "NOTE")]
+    for task in tasks:
+        record = grants.get(task["ID"])
+        live = record and record["state"] in ("creating", "running")
+        gpu = ",".join(str(g.get("index")) for g in record["gpus"]) if live else "-"
+        note = "" if live else (task.get("Error") or (f"grant {record['state']}" if record else ""))
+        rows.append((task["Name"], task["Node"], task["CurrentState"], gpu,
+                     format_bytes(record["gpu_memory"]) if live else "-",
+                     format_bytes(record["gpu_memory_used"]) if live else "-", note))
+    _print_table(rows)
+    return 0
+
+
+def _check_fits_somewhere(client: Manager, memory: int, count: int) -> None:
+    nodes = [n for n in client.call("GET", "/v1/nodes")["nodes"] if n["state"] == "ready"]
+    if not nodes:
+        raise PluginError("no gpumgr agent is ready; start 'gpumgr agent' on the swarm's GPU nodes")
+    best = max((sorted((g["memory_total"] for g in n["gpus"]), reverse=True)[count - 1]
+                for n in nodes if len(n["gpus"]) >= count), default=0)
+    if best < memory:
+        raise PluginError(f"no node has {count} GPU(s) of {format_bytes(memory)}: the largest that could ever hold "
+                          f"this is {format_bytes(best)}; nothing was created")
+
+
+# --- containers and nodes --------------------------------------------------------------------
+def run_container(client: Manager, argv: list[str]) -> int:
+    """``docker gpu run``: one container placed by the manager."""
+    parser = argparse.ArgumentParser(prog="docker gpu run")
+    parser.add_argument("--gpu-memory", required=True)
+    parser.add_argument("--gpus", type=int, default=1)
+    parser.add_argument("--name")
+    parser.add_argument("-e", "--env", action="append", default=[])
+    parser.add_argument("-l", "--label", action="append", default=[])
+    parser.add_argument("--node")
+    parser.add_argument("--placement", choices=["spread", "binpack"])
+    parser.add_argument("--on-overrun", choices=["kill", "stop", "report"])
+    parser.add_argument("image")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    body = {"image": args.image, "command": args.command, "gpu_memory": _memory(args.gpu_memory), "gpus": args.gpus,
+            "env": _pairs(args.env), "labels": _pairs(args.label)}
+    body.update({k: v for k, v in (("name", args.name), ("node", args.node), ("placement", args.placement),
+                                   ("on_overrun", args.on_overrun)) if v})
+    record = client.call("POST", "/v1/containers", json=body)
+    gpus = ", ".join(f"{g['index']} ({g['uuid']})" for g in record["gpus"])
+    print(f"{record['id']}  {record['state']} on {record['node']} GPU {gpus}, {format_bytes(record['gpu_memory'])}"
+          f"  container {record['container_id']}")
+    return 0
+
+
+def show_containers(client: Manager) -> int:
+    """The manager's containers as a table."""
+    rows = [("ID", "NAME", "NODE", "GPU", "GRANT", "USED", "STATE", "REASON")]
+    for r in client.call("GET", "/v1/containers")["containers"]:
+        rows.append((r["id"], r["name"], r["node"], ",".join(str(g["index"]) for g in r["gpus"]),
+                     format_bytes(r["gpu_memory"]), format_bytes(r["gpu_memory_used"]), r["state"], r["reason"] or ""))
+    _print_table(rows)
+    return 0
+
+
+def show_nodes(client: Manager) -> int:
+    """The machine × GPU map as a table."""
+    rows = [("NODE", "STATE", "GPU", "NAME", "TOTAL", "USED", "RESERVED", "FREE", "CONTAINERS")]
+    for node in client.call("GET", "/v1/nodes")["nodes"]:
+        for g in node["gpus"]:
+            rows.append((node["name"], node["state"], str(g["index"]), g["name"], format_bytes(g["memory_total"]),
+                         format_bytes(g["memory_used"]), format_bytes(g["memory_reserved"]),
+                         format_bytes(g["memory_free"]), str(len(g["containers"]))))
+    _print_table(rows)
+    return 0
+
+
+# --- helpers ---------------------------------------------------------------------------------
+def _take_options(argv: list[str], wanted: dict[str, bool]) -> tuple[dict[str, str], list[str]]:
+    """Pull our options out of a docker command line (before the image), leaving the rest as it was."""
+    ours: dict[str, str] = {}
+    rest: list[str] = []
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        name, has_value, value = arg.partition("=")
+        if name in wanted:
+            if not has_value:
+                if index + 1 >= len(argv):
+                    raise PluginError(f"{name} needs a value")
+                index, value = index + 1, argv[index + 1]
+            ours[name] = value
+        else:
+            rest.append(arg)
+        index += 1
+    return ours, rest
+
+
+def _memory(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise PluginError(f"invalid --gpu-memory: {exc}") from None
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise PluginError(f"--gpus must be a positive integer, not {text!r}")
+    return int(text)
+
+
+def _pairs(items: list[str]) -> dict[str, str]:
+    pairs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise PluginError(f"expected KEY=VALUE, got {item!r}")
+        pairs[key] = value
+    return pairs
+
+
+def _docker(args: list[str]) -> int:
+    return subprocess.call(["docker", *args])
+
+
+def _docker_json(args: list[str]) -> list[dict[str, Any]]:
+    result = subprocess.run(["docker", *args], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise PluginError(result.stderr.strip() or f"docker {' '.join(args)} failed")
+    return [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+
+
+def _print_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+
+
+def _settings() -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(CONFIG_PATH.expanduser().read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""``gpumgr-runtime``: an OCI runtime in front of runc (or the NVIDIA runtime) that pins Swarm tasks.
+
+Swarm services cannot carry devices, so the GPU of each replica is chosen on its node at the one
+moment Docker tells the node about the container: the runtime ``create`` call. If the container's
+environment asks for GPU memory (``GPUMGR_REQUEST_MEMORY``, set by ``docker gpu service create``),
+this program asks the local agent for a grant, writes ``NVIDIA_VISIBLE_DEVICES`` and the grant into
+the bundle's ``config.json``, and then runs the real runtime with the unchanged arguments. Every
+other call, and every container that asks for nothing, passes straight through.
+
+When no GPU on the node has room, ``create`` fails with the reason written to runc's ``--log``
+file, which is where Docker reads runtime errors from: ``docker service ps --no-trunc`` shows it,
+and Swarm retries the task. Nothing is ever printed: during ``create`` stdout and stderr are the
+container's own output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from wire import protocol
+
+REQUEST_MEMORY = "GPUMGR_REQUEST_MEMORY"
+REQUEST_GPUS = "GPUMGR_REQUEST_GPUS"
+REQUEST_ON_OVERRUN = "GPUMGR_REQUEST_ON_OVERRUN"
+TASK_ENV = {"GPUMGR_TASK": "gpumgr.task", "GPUMGR_SERVICE": "gpumgr.service", "GPUMGR_SLOT": "gpumgr.slot"}
+TASK_NAME = "GPUMGR_TASK_NAME"
+DEFAULT_SOCKET = "/run/gpumgr/agent.sock"
+CONFIG = "/etc/gpumgr/runtime.json"
+#: Longer than the agent's own wait for the manager, so the agent's answer (even a timeout) arrives.
+WAIT_SECONDS = 25.0
+#: runc's global options that take a value; everything else before the command is a flag.
+VALUE_OPTIONS = frozenset({"--root", "--log", "--log-format", "--criu", "--rootless"})
+RUNTIME_CANDIDATES = ("nvidia-container-runtime", "runc")
+SEARCH_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
+
+
+class Refused(Exception):
+    """The container asked for GPU memory and cannot have it; the message says why."""
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Entry point: prepare ``create`` calls, then become the real runtime."""
+    argv = sys.argv[1:] if argv is None else argv
+    config = _config()
+    command, position, log_file = split_command(argv)
+    if command == "create":
+        try:
+            prepare(argv[position + 1:], config)
+        except Refused as exc:
+            _fail(log_file, str(exc))
+    real = real_runtime(config)
+    os.execv(real, [real, *argv])
+
+
+def split_command(argv: list[str]) -> tuple[str | None, int, str | None]:
+    """Find runc's command among its global options: ``(command, index, --log value)``."""
+    log_file, skip = None, False
+    for index, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name, has_value, value = arg.partition("=")
+        if name in VALUE_OPTIONS:
+            if name == "--log":
+                log_file = value if has_value else (argv[index + 1] if index + 1 < len(argv) else None)
+            skip = not has_value
+        elif not arg.startswith("-"):
+            return arg, index, log_file
+    return None, len(argv), log_file
+
+
+def prepare(args: list[str], config: dict) -> None:
+    """For ``create ARGS``: if the bundle asks for GPU memory, get a grant and write it into the bundle."""
+    bundle, container_id = _create_target(args)
+    spec_path = Path(bundle) / "config.json"
+    spec = json.loads(spec_path.read_text())
+    env = _env_map(spec.get("process", {}).get("env", []))
+    if REQUEST_MEMORY not in env:
+        return
+    grant = ask_agent(_reserve_message(container_id, env), _socket_path(config))
+    env.update(grant["env"])
+    spec["process"]["env"] = [f"{k}={v}" for k, v in env.items()]
+    spec.setdefault("annotations", {})["gpumgr.grant"] = grant["grant"]
+    _write_atomically(spec_path, json.dumps(spec))
+
+
+def ask_agent(request: protocol.Reserve, socket_path: str, wait: float = WAIT_SECONDS) -> dict:
+    """Ask the agent on ``socket_path`` for a grant; raise Refused with its reason."""
+    import zmq  # imported here: every other runtime call passes through without paying for it
+
+    from wire import protocol
+    from wire.errors import ProtocolError
+
+    if not Path(socket_path).exists():
+        raise Refused(f"gpumgr: no gpumgr agent listens on {socket_path}; start 'gpumgr agent' on this node")
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"ipc://{socket_path}")
+        sock.send(protocol.encode(request))
+        if not sock.poll(int(wait * 1000)):
+            raise Refused(f"gpumgr: the agent did not answer within {wait:g}s")
+        _, reply = protocol.decode(sock.recv())
+    except (zmq.ZMQError, ProtocolError) as exc:
+        raise Refused(f"gpumgr: cannot talk to the agent on {socket_path}: {exc}") from exc
+    finally:
+        sock.close(linger=0)
+    if not isinstance(reply, protocol.Reply):
+        raise Refused(f"gpumgr: unexpected {reply.TYPE} from the agent")
+    if not reply.ok:
+        raise Refused(f"gpumgr: {reply.error.message if reply.error else 'refused'}")
+    return reply.result
+
+
+def real_runtime(config: dict) -> str:
+    """The runtime to hand over to: configured, else the NVIDIA runtime if installed, else runc."""
+    configured = os.environ.get("GPUMGR_RUNC") or config.get("runtime")
+    if configured:
+        return configured
+    for name in RUNTIME_CANDIDATES:
+        found = shutil.which(name, path=os.pathsep.join(SEARCH_PATH))
+        if found:
+            return found
+    _fail(None, "gpumgr: neither nvidia-container-runtime nor runc was found")
+
+
+def _reserve_message(container_id: str, env: dict[str, str]) -> protocol.Reserve:
+    from wire import protocol
+
+    try:
+        memory = int(env[REQUEST_MEMORY])
+        gpus = int(env.get(REQUEST_GPUS, "1"))
+        return protocol.Reserve(
+            container_id=container_id, gpu_memory=memory, gpus=gpus, name=env.get(TASK_NAME, ""),
+            labels={label: env[var] for var, label in TASK_ENV.items() if env.get(var)},
+            on_overrun=env.get(REQUEST_ON_OVERRUN) or None,
+        )
+    except ValueError as exc:
+        raise Refused(f"gpumgr: bad GPU request in the container's environment: {exc}") from exc
+
+
+def _create_target(args: list[str]) -> tuple[str, str]:
+    bundle, positional, skip = os.getcwd(), [], False
+    for index, arg in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if arg in ("--bundle", "-b"):
+            bundle, skip = (args[index + 1] if index + 1 < len(args) else bundle), True
+        elif arg.startswith("--bundle="):
+            bundle = arg.split("=", 1)[1]
+        elif arg in ("--pid-file", "--console-socket", "--preserve-fds"):
+            skip = True
+        elif not arg.startswith("-"):
+            positional.append(arg)
+    if not positional:
+        raise Refused("gpumgr: create without a container id")
+    return bundle, positional[-1]
+
+
+def _env_map(entries: list[str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for entry in entries:
+        key, _, value = entry.partition("=")
+        env[key] = value
+    return env
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".gpumgr-")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def _socket_path(config: dict) -> str:
+    return os.environ.get("GPUMGR_HOOK_SOCKET") or config.get("hook_socket") or DEFAULT_SOCKET
+
+
+def _config() -> dict:
+    try:
+        return json.loads(Path(os.environ.get("GPUMGR_RUNTIME_CONFIG", CONFIG)).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _fail(log_file: str | None, message: str) -> NoReturn:
+    """Fail the runtime call the way runc does: an error line in the ``--log`` file, exit status 1."""
+    if log_file:
+        line = json.dumps({"level": "error", "msg": message, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                  time.gmtime())})
+        try:
+            with open(log_file, "a") as handle:
+                handle.write(line + "\n")
+        except OSError:
+            pass
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""``gpumgr plugin install``: the per-host set-up the Swarm design needs.
+
+It writes two small launchers that run this installation's Python (so they work under dockerd's
+bare environment): ``gpumgr-runtime`` (the OCI runtime hook) and the ``docker-gpu`` CLI plugin;
+registers the hook with the Docker engine as runtime ``gpumgr`` and makes it the default runtime
+(Swarm services cannot choose a runtime); and remembers which real runtime to hand over to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+from plugin.hook import CONFIG as RUNTIME_CONFIG
+from plugin.hook import DEFAULT_SOCKET, RUNTIME_CANDIDATES, SEARCH_PATH
+
+RUNTIME_NAME = "gpumgr"
+LAUNCHER = """#!{python}
+# installed by 'gpumgr plugin install'
+import sys
+from {module} import main
+sys.exit(main())
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``gpumgr plugin install``."""
+    parser.add_argument("--daemon-config", default="/etc/docker/daemon.json", help="the Docker engine's daemon.json")
+    parser.add_argument("--bin-dir", default="/usr/local/bin", help="where gpumgr-runtime goes")
+    parser.add_argument("--cli-plugins-dir", default=str(Path("~/.docker/cli-plugins").expanduser()),
+                        help="where the docker-gpu CLI plugin goes")
+    parser.add_argument("--runtime-config", default=RUNTIME_CONFIG, help="the hook's own settings file")
+    parser.add_argument("--runtime", help="the runtime the hook hands over to (default: nvidia-container-runtime "
+                                          "if installed, else runc)")
+    parser.add_argument("--hook-socket", default=DEFAULT_SOCKET, help="the agent's hook socket (its hook_socket)")
+    parser.add_argument("--no-default-runtime", action="store_true",
+                        help="register the runtime without making it the default (Swarm tasks then bypass it)")
+    parser.add_argument("--reload", action="store_true", help="send SIGHUP to dockerd so it loads the runtime now")
+    parser.add_argument("--dockerd-pidfile", default="/var/run/docker.pid")
+
+
+def install(args: argparse.Namespace) -> int:
+    """Do the set-up and say what, if anything, the user must still do."""
+    runtime = args.runtime or _find_runtime()
+    if runtime is None:
+        print("gpumgr plugin install: neither nvidia-container-runtime nor runc was found; pass --runtime",
+              file=sys.stderr)
+        return 2
+    hook = _write_launcher(Path(args.bin_dir) / "gpumgr-runtime", "plugin.hook")
+    cli = _write_launcher(Path(args.cli_plugins_dir) / "docker-gpu", "plugin.docker_gpu")
+    _write_json(Path(args.runtime_config), {"runtime": runtime, "hook_socket": args.hook_socket})
+    changed = _register_runtime(Path(args.daemon_config), hook, default=not args.no_default_runtime)
+    print(f"installed the OCI runtime hook {hook} (hands over to {runtime})")
+    print(f"installed the Docker CLI plugin {cli} (try: docker gpu nodes)")
+    if not changed:
+        print(f"{args.daemon_config} already registers runtime {RUNTIME_NAME!r}; nothing to reload")
+    elif args.reload:
+        print(_reload(Path(args.dockerd_pidfile)))
+    else:
+        print(f"updated {args.daemon_config}: the Docker engine must reload it before Swarm tasks get GPUs.\n"
+              "  A reload is enough, no restart: systemctl reload docker   (or: kill -HUP $(pidof dockerd))\n"
+              "  If dockerd was started with --default-runtime or --add-runtime flags, remove them first:\n"
+              "  the same setting as a flag and in daemon.json stops dockerd from starting.")
+    return 0
+
+
+def _find_runtime() -> str | None:
+    for name in RUNTIME_CANDIDATES:
+        found = shutil.which(name, path=os.pathsep.join(SEARCH_PATH))
+        if found:
+            return found
+    return None
+
+
+def _write_launcher(path: Path, module: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(LAUNCHER.format(python=sys.executable, module=module))
+    path.chmod(0o755)
+    return path.resolve()
+
+
+def _register_runtime(daemon_json: Path, hook: Path, default: bool) -> bool:
+    config = json.loads(daemon_json.read_text()) if daemon_json.exists() and daemon_json.read_text().strip() else {}
+    wanted = dict(config)
+    wanted["runtimes"] = {**config.get("runtimes", {}), RUNTIME_NAME: {"path": str(hook)}}
+    if default:
+        wanted["default-runtime"] = RUNTIME_NAME
+    if wanted == config:
+        return False
+    if daemon_json.exists():
+        shutil.copy2(daemon_json, daemon_json.with_suffix(".json.before-gpumgr"))
+    _write_json(daemon_json, wanted)
+    return True
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _reload(pidfile: Path) -> str:
+    try:
+        os.kill(int(pidfile.read_text().strip()), signal.SIGHUP)
+    except (OSError, ValueError) as exc:
+        return f"could not signal dockerd through {pidfile} ({exc}); run: systemctl reload docker"
+    return "sent SIGHUP to dockerd: it loads the new runtime now (no restart needed)"

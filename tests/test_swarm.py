@@ -1,0 +1,146 @@
+"""Docker Swarm on a real one-node swarm: `docker gpu service ...` gives every replica its own grant."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import _busybox_tar
+from tests.procs import AgentProc, ManagerProc, wait_for
+from tests.swarm import SwarmEngine
+
+GiB = 1 << 30
+IMAGE = "gpumgr-test/busybox:latest"
+SERVICE = "infer"
+
+
+@pytest.fixture(scope="module")
+def engine(docker_client):
+    if shutil.which("dockerd") is None:
+        pytest.fail("dockerd is needed for the swarm tests")
+    busybox = shutil.which("busybox") or "/bin/busybox"
+    swarm = SwarmEngine(_busybox_tar(busybox))
+    yield swarm
+    swarm.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(engine, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("swarm")
+    manager = ManagerProc(tmp)
+    agent = AgentProc(tmp, manager, "swarm-node", gpus="sim:2x13GiB",
+                      env={"DOCKER_HOST": engine.env["DOCKER_HOST"], "GPUMGR_HOOK_SOCKET": engine.hook_socket})
+    yield manager, agent
+    agent.stop()
+    manager.stop()
+
+
+def docker_gpu(engine: SwarmEngine, manager: ManagerProc, *args: str) -> subprocess.CompletedProcess:
+    return engine.docker("gpu", "--manager", manager.url, *args, check=False)
+
+
+def live_grants(manager: ManagerProc) -> list[dict]:
+    records = manager.get("/v1/containers", params={"service": SERVICE}).json()["containers"]
+    return [r for r in records if r["state"] in ("creating", "running")]
+
+
+def grants_match_tasks(engine: SwarmEngine, manager: ManagerProc, expected: int) -> bool:
+    """Exactly one live grant per running task container, and ``expected`` of them."""
+    running = {c["Id"] for c in engine.containers(SERVICE) if c["State"]["Running"]}
+    grants = live_grants(manager)
+    return len(running) == expected and {g["container_id"] for g in grants} == running and all(
+        g["state"] == "running" for g in grants)
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().decode()
+    return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+
+
+def test_install_says_the_engine_must_reload(engine):
+    assert "must reload" in engine.install_output and "systemctl reload docker" in engine.install_output
+    assert engine.docker("info", "--format", "{{.DefaultRuntime}}").stdout.strip() == "gpumgr"
+    metadata = engine.docker("gpu", "--help").stdout
+    assert "service create" in metadata
+
+
+def test_bad_requests_create_nothing(engine, cluster):
+    manager, _ = cluster
+    bad = docker_gpu(engine, manager, "service", "create", "--gpu-memory", "lots", "--name", "bad", IMAGE, "true")
+    assert bad.returncode == 1 and "invalid --gpu-memory" in bad.stderr
+    huge = docker_gpu(engine, manager, "service", "create", "--gpu-memory", "100GiB", "--name", "bad", IMAGE)
+    assert huge.returncode == 1 and "largest that could ever hold this is 13GiB" in huge.stderr
+    gone = engine.docker("gpu", "--manager", "http://127.0.0.1:1", "service", "create", "--gpu-memory", "1GiB",
+                         "--name", "bad", IMAGE, check=False)
+    assert gone.returncode == 1 and "cannot reach the gpumgr manager" in gone.stderr
+    assert "bad" not in engine.docker("service", "ls", "--format", "{{.Name}}").stdout.split()
+
+
+def test_replicas_get_exact_grants_through_their_whole_life(engine, cluster):
+    manager, _ = cluster
+    created = docker_gpu(engine, manager, "service", "create", "--detach", "--gpu-memory", "6GiB", "--replicas", "3",
+                         "--name", SERVICE, "--stop-grace-period", "1s", "--env", "GPUMGR_SIM_USAGE_FILE=/tmp/use",
+                         IMAGE, "sh", "-c", f"echo {GiB} > /tmp/use; exec sleep 3600")
+    assert created.returncode == 0, created.stderr
+    try:
+        _three_pinned_replicas(engine, manager)
+        _scaling_past_capacity_starts_only_what_fits(engine, manager)
+        _scaling_down_frees_grants(engine, manager)
+        _a_killed_task_is_replaced_with_exact_grants(engine, manager)
+        _an_overrunning_replica_is_killed_and_replaced(engine, manager)
+    finally:
+        removed = docker_gpu(engine, manager, "service", "rm", SERVICE)
+    assert removed.returncode == 0
+    wait_for(lambda: not live_grants(manager), 30, what="every grant to be freed after rm")
+    assert all(g["memory_reserved"] == 0 for g in manager.node("swarm-node")["gpus"])
+
+
+def _three_pinned_replicas(engine, manager):
+    wait_for(lambda: grants_match_tasks(engine, manager, 3), 60, what="3 running replicas with 3 grants")
+    gpus = {g["uuid"] for g in manager.node("swarm-node")["gpus"]}
+    for container in engine.containers(SERVICE):
+        env = environ(container["State"]["Pid"])
+        assert env["NVIDIA_VISIBLE_DEVICES"] in gpus and env["GPUMGR_GPU_MEMORY"] == str(6 * GiB)
+        assert env["GPUMGR_GRANT"] in {g["id"] for g in live_grants(manager)}
+    reserved = sorted(g["memory_reserved"] for g in manager.node("swarm-node")["gpus"])
+    assert reserved == [6 * GiB, 12 * GiB]
+    wait_for(lambda: all(g["gpu_memory_used"] == GiB for g in live_grants(manager)), 10, what="usage per replica")
+    table = docker_gpu(engine, manager, "service", "ps", SERVICE).stdout
+    assert table.count("6GiB") == 3 and table.count("1GiB") == 3, table
+
+
+def _scaling_past_capacity_starts_only_what_fits(engine, manager):
+    engine.docker("service", "scale", "--detach", f"{SERVICE}=6")
+    wait_for(lambda: grants_match_tasks(engine, manager, 4), 60, what="4 of 6 replicas running (2 per GPU)")
+    table = wait_for(lambda: (t := docker_gpu(engine, manager, "service", "ps", SERVICE).stdout).count(
+        "no GPU") >= 1 and t, 60, what="the waiting replicas to say why")
+    assert "can hold 6GiB" in table, table
+    assert sorted(g["memory_reserved"] for g in manager.node("swarm-node")["gpus"]) == [12 * GiB, 12 * GiB]
+
+
+def _scaling_down_frees_grants(engine, manager):
+    engine.docker("service", "scale", "--detach", f"{SERVICE}=2")
+    wait_for(lambda: grants_match_tasks(engine, manager, 2), 60, what="2 replicas and 2 grants")
+    assert sum(g["memory_reserved"] for g in manager.node("swarm-node")["gpus"]) == 12 * GiB
+
+
+def _a_killed_task_is_replaced_with_exact_grants(engine, manager):
+    victim = engine.containers(SERVICE)[0]["Id"]
+    engine.docker("kill", victim)
+    wait_for(lambda: grants_match_tasks(engine, manager, 2) and victim not in
+             {c["Id"] for c in engine.containers(SERVICE)}, 60, what="swarm to replace the killed task")
+    assert sum(g["memory_reserved"] for g in manager.node("swarm-node")["gpus"]) == 12 * GiB
+
+
+def _an_overrunning_replica_is_killed_and_replaced(engine, manager):
+    target = engine.containers(SERVICE)[0]
+    Path(f"/proc/{target['State']['Pid']}/root/tmp/use").write_text(str(7 * GiB))
+    record = wait_for(lambda: next((r for r in manager.get("/v1/containers", params={"service": SERVICE}).json()[
+        "containers"] if r["container_id"] == target["Id"] and r["state"] == "killed"), None), 15,
+        what="the overrunning replica to be killed")
+    assert record["reason"] == "gpu_memory_exceeded" and record["detail"]["overrun"]["observed"] == 7 * GiB
+    wait_for(lambda: grants_match_tasks(engine, manager, 2) and target["Id"] not in
+             {c["Id"] for c in engine.containers(SERVICE)}, 60, what="swarm to replace the killed replica")
