@@ -39,4 +39,5 @@ class AgentSettings(Settings):
     stop_grace: float = Field(10.0, ge=0)
     mps: bool = False
     hook_socket: str | None = "/run/gpumgr/agent.sock"
+    proc_root: str = "/proc"
     log_level: str = "INFO"

@@ -163,11 +163,12 @@ class Enforcer:
                   "pids": [pid for pid, _ in verdict.pids]}
         log.warning("container %s (%s) uses %d bytes on %s over its %d: %s", container.container_id[:12],
                     container.grant, verdict.observed, verdict.gpu, verdict.limit, container.on_overrun)
+        # tell the manager first, so the overrun (and the freed grant) is on record before the exit is
+        self._on_overrun(container, detail)
         if container.on_overrun == "kill":
             self.runtime.kill(container.grant, verdict.reason, detail)
         elif container.on_overrun == "stop":
             self.runtime.stop(container.grant, verdict.reason, detail, self.settings.stop_grace)
-        self._on_overrun(container, detail)
 
     def _still_theirs(self, container: Managed, verdict: Verdict) -> bool:
         for pid, started in verdict.pids:

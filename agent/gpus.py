@@ -29,8 +29,6 @@ from agent import procmap
 from wire import defaults
 from wire.units import parse_bytes
 
-PROC = "/proc"
-
 SIM_PREFIX = "sim:"
 SIM_DEFAULT_NAME = "Simulated GPU"
 #: Fixed forever: changing it would change every simulated uuid and orphan running containers.
@@ -322,11 +320,11 @@ class SimSource:
 
     kind = "sim"
 
-    def __init__(self, devices: list[Device], proc: str = PROC) -> None:
+    def __init__(self, devices: list[Device], proc: str | None = None) -> None:
         self._devices = sorted(devices, key=lambda d: d.index)
         self._uuids = frozenset(d.uuid for d in devices)
         self._by_name = {d.uuid: d.uuid for d in devices} | {str(d.index): d.uuid for d in devices}
-        self._proc = proc
+        self._proc = proc or procmap.root()
         self._lock = threading.Lock()
         self._known: dict[int, _SimProcess] = {}
 

@@ -10,6 +10,22 @@ import os
 import re
 
 PROC = "/proc"
+_root = PROC
+
+
+def set_root(path: str) -> None:
+    """Read processes from ``path`` instead of ``/proc``: the host's ``/proc`` mounted into the agent's container.
+
+    Swarm services cannot join the host PID namespace, so a containerised agent sees host PIDs
+    (which NVML reports) only through a bind mount of the host's ``/proc``.
+    """
+    global _root
+    _root = path
+
+
+def root() -> str:
+    """Where host processes are read from (``/proc`` unless :func:`set_root` said otherwise)."""
+    return _root
 
 #: A full container id as Docker, containerd and CRI-O write it into cgroup paths. The look-arounds
 #: keep longer hex runs (and the tail of one) from matching.
@@ -22,7 +38,7 @@ STAT_START_TIME_FIELD = 22
 STAT_START_STACK_FIELD = 28
 
 
-def container_ids_of(pid: int, proc: str = PROC) -> list[str]:
+def container_ids_of(pid: int, proc: str | None = None) -> list[str]:
     """Return every container id found in ``/proc/<pid>/cgroup``, outermost first, innermost last.
 
     Works for cgroup v1 (``hierarchy:controllers:path``) and v2 (``0::path``) lines and for the
@@ -30,7 +46,7 @@ def container_ids_of(pid: int, proc: str = PROC) -> list[str]:
     64-hex id somewhere in the path. Nested containers yield several ids; callers try them from the
     end. Returns ``[]`` when the process is gone or is in no container.
     """
-    text = _read_text(os.path.join(proc, str(pid), "cgroup"))
+    text = _read_text(os.path.join(proc or _root, str(pid), "cgroup"))
     if text is None:
         return []
     ids: dict[str, None] = {}
@@ -48,7 +64,7 @@ def process_group_of(pid: int) -> int | None:
         return None
 
 
-def start_time_of(pid: int, proc: str = PROC) -> int | None:
+def start_time_of(pid: int, proc: str | None = None) -> int | None:
     """Return when ``pid`` started, in clock ticks since boot, or ``None`` when it is gone.
 
     A PID and its start time together name one process for good, so callers use the pair to notice
@@ -58,7 +74,7 @@ def start_time_of(pid: int, proc: str = PROC) -> int | None:
     return None if identity is None else identity[0]
 
 
-def identity_of(pid: int, proc: str = PROC) -> tuple[int, str, int] | None:
+def identity_of(pid: int, proc: str | None = None) -> tuple[int, str, int] | None:
     """Return ``(start time, command name, stack start)`` of ``pid`` from one read of its ``stat``.
 
     Caches keyed on this triple go stale exactly when they should: the start time changes when the
@@ -75,8 +91,8 @@ def identity_of(pid: int, proc: str = PROC) -> tuple[int, str, int] | None:
     return start, comm, stack or 0
 
 
-def _stat_of(pid: int, proc: str) -> tuple[str, list[str]] | None:
-    text = _read_text(os.path.join(proc, str(pid), "stat"))
+def _stat_of(pid: int, proc: str | None) -> tuple[str, list[str]] | None:
+    text = _read_text(os.path.join(proc or _root, str(pid), "stat"))
     if text is None:
         return None
     # The command name may itself hold ")" or spaces; only the last ")" closes it.

@@ -487,7 +487,7 @@ def _signal_group(pgid: int | None, sig: signal.Signals) -> None:
 
 def _environ(pid: int) -> dict[str, str]:
     try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes() if pid else b""
+        raw = Path(procmap.root(), str(pid), "environ").read_bytes() if pid else b""
     except OSError:
         return {}
     return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)

@@ -148,9 +148,11 @@ def start_manager(settings: ManagerSettings) -> tuple[Any, Any]:
 
 def build_agent(settings: AgentSettings) -> Any:
     """Open the GPU source and the runtime and wire them into an agent."""
+    from agent import procmap
     from agent.agent import Agent, build_runtime
     from agent.gpus import open_source
 
+    procmap.set_root(settings.proc_root)
     source = open_source(settings.gpus, seed=settings.node)
     holder: list[Agent] = []
     runtime = build_runtime(settings.runtime, lambda m: holder[0].report_exit(m), network_mode=settings.network_mode,

@@ -1,0 +1,59 @@
+"""The shipped Dockerfile and stack file parse and say what the README promises (no image can be built here)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tomllib
+
+import pytest
+import yaml
+
+from tests.procs import ROOT
+
+SWARM = ROOT / "examples" / "swarm"
+
+
+@pytest.fixture(scope="module")
+def stack() -> dict:
+    if shutil.which("docker") is None:
+        pytest.fail("the docker CLI is needed to check the stack file")
+    result = subprocess.run(["docker", "stack", "config", "-c", str(SWARM / "stack.yml")], capture_output=True,
+                            text=True, env={**os.environ, "GPUMGR_TOKEN": "t0ken"}, check=True)
+    return yaml.safe_load(result.stdout)
+
+
+def test_stack_runs_one_manager_on_a_manager_node(stack) -> None:
+    manager = stack["services"]["manager"]
+    assert manager["deploy"]["replicas"] == 1
+    assert manager["deploy"]["placement"]["constraints"] == ["node.role == manager"]
+    assert manager["environment"]["GPUMGR_TOKEN"] == "t0ken"
+    assert manager["command"][:1] == ["manager"]
+
+
+def test_stack_runs_a_global_agent_with_the_docker_socket_and_host_processes(stack) -> None:
+    agent = stack["services"]["agent"]
+    assert agent["deploy"]["mode"] == "global"
+    mounts = {m["target"]: m["source"] for m in agent["volumes"]}
+    assert mounts["/var/run/docker.sock"] == "/var/run/docker.sock"
+    assert mounts["/host/proc"] == "/proc" and agent["environment"]["GPUMGR_PROC_ROOT"] == "/host/proc"
+    assert mounts["/run/gpumgr"] == "/run/gpumgr"
+    assert agent["command"] == ["agent", "--manager", "tcp://manager:9401"]
+
+
+def test_stack_refuses_to_deploy_without_a_token() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "GPUMGR_TOKEN"}
+    result = subprocess.run(["docker", "stack", "config", "-c", str(SWARM / "stack.yml")], capture_output=True,
+                            text=True, env=env)
+    assert result.returncode != 0 and "GPUMGR_TOKEN" in result.stderr
+
+
+def test_dockerfile_copies_every_package_and_runs_gpumgr() -> None:
+    instructions = [line.split(None, 1) for line in (SWARM / "Dockerfile").read_text().splitlines()
+                    if line.strip() and not line.startswith("#")]
+    copied = {src for op, args in instructions if op == "COPY" for src in args.split()[:-1]}
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert set(packages) <= copied and {"pyproject.toml", "README.md"} <= copied
+    assert all((ROOT / src).exists() for src in copied)
+    assert instructions[0][0] == "FROM" and ["ENTRYPOINT", '["gpumgr"]'] in instructions
