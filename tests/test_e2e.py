@@ -165,3 +165,24 @@ def test_cli_refuses_bad_settings_clearly(argv, words):
 
     result = subprocess.run([sys.executable, "-m", "manager.cli", *argv], capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and words in result.stderr, result.stderr
+
+
+def test_several_agents_place_by_free_memory_across_nodes(tmp_path, manager, test_image, docker_client,
+                                                          cleanup_containers):
+    small = AgentProc(tmp_path, manager, "node-small", gpus="sim:1x8GiB")
+    large = AgentProc(tmp_path, manager, "node-large", gpus="sim:2x24GiB")
+    try:
+        first = manager.post("/v1/containers", json=sim_job(test_image, "7GiB", 0)).json()
+        assert first["node"] == "node-large"  # spread: most free memory
+        packed = manager.post("/v1/containers", json=sim_job(test_image, "7GiB", 0, placement="binpack")).json()
+        assert packed["node"] == "node-small"  # binpack: least free memory that fits
+        pair = manager.post("/v1/containers", json=sim_job(test_image, "10GiB", 0, gpus=2)).json()
+        assert pair["node"] == "node-large" and len({g["uuid"] for g in pair["gpus"]}) == 2
+        assert manager.post("/v1/containers", json=sim_job(test_image, "2GiB", 0, node="node-small")).status_code == 409
+        exact = manager.post("/v1/containers", json=sim_job(test_image, "1GiB", 0, node="node-small")).json()
+        assert exact["node"] == "node-small"  # 7 of 8 GiB granted: exactly 1 GiB still fits
+    finally:
+        small.stop()
+        large.stop()
+    labels = {c.labels["gpumgr.node"] for c in docker_client.containers.list(filters={"label": "gpumgr.grant"})}
+    assert labels == {"node-small", "node-large"}
