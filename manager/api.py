@@ -103,7 +103,7 @@ def delete_container(cid: str) -> Response:
 @bp.get("/nodes")
 def list_nodes() -> Response:
     """The machine × GPU map."""
-    return jsonify({"nodes": manager().cluster.nodes_view()})
+    return Response(manager().cluster.nodes_json(), mimetype="application/json")
 
 
 @bp.get("/events")

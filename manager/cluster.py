@@ -8,17 +8,18 @@ told, so two requests can never be handed the same bytes.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from manager.events import EventLog, EventType
-from manager.scheduler import FreeIndex, GpuSlot, Request, place
+from manager.scheduler import FreeIndex, GpuSlot, Placement, Request, place
 from wire import defaults
 from wire.errors import NotFound
 from wire.protocol import ContainerReport, GpuInfo, GpuSample
@@ -66,7 +67,7 @@ class Node:
     last_seen_mono: float = field(default_factory=time.monotonic)
 
 
-@dataclass
+@dataclass(slots=True)
 class Container:
     """The manager's record of one container and its grant."""
 
@@ -121,6 +122,9 @@ class Cluster:
         self._gpus: dict[str, Gpu] = {}
         self._containers: dict[str, Container] = {}
         self._finished: deque[str] = deque()
+        self.map_max_age = defaults.MAP_MAX_AGE
+        self._map_version = 0
+        self._map_cache: tuple[int, float, bytes] | None = None
 
     # --- nodes -------------------------------------------------------------------------------
     def register(self, name: str, routing_id: bytes, runtime: str, gpus: list[GpuInfo],
@@ -175,16 +179,14 @@ class Cluster:
     # --- grants ------------------------------------------------------------------------------
     def reserve(self, spec: PlacementSpec) -> Container:
         """Choose GPUs for ``spec`` and grant the memory at once; the record starts as ``creating``."""
-        from manager.scheduler import Placement
-
         request = Request(spec.memory, spec.count, spec.node, Placement(spec.placement))
         with self._lock:
             slots = place(self._index, request)
-            cid = uuid.uuid4().hex[:16]
+            cid = os.urandom(8).hex()
             record = Container(
                 id=cid, name=spec.name or f"gpumgr-{cid}", node=slots[0].node, gpus=[s.uuid for s in slots],
-                gpu_memory=spec.memory, image=spec.image, command=list(spec.command), env=dict(spec.env),
-                labels=dict(spec.labels), on_overrun=spec.on_overrun, container_id=spec.container_id,
+                gpu_memory=spec.memory, image=spec.image, command=spec.command, env=spec.env,
+                labels=spec.labels, on_overrun=spec.on_overrun, container_id=spec.container_id,
             )
             self._containers[cid] = record
             self._grant(record)
@@ -207,9 +209,11 @@ class Cluster:
     def live_grant_of(self, node: str, container_id: str) -> Container | None:
         """The live record already granted to ``container_id`` on ``node`` (a repeated create), if any."""
         with self._lock:
-            for record in self._containers.values():
-                if record.container_id == container_id and record.node == node and record.state in LIVE:
-                    return record
+            for gpu in self._node_gpus(node):
+                for cid in gpu.holders:
+                    record = self._containers[cid]
+                    if record.container_id == container_id:
+                        return record
         return None
 
     def finish(self, cid: str, state: State, *, reason: str | None = None, exit_code: int | None = None,
@@ -260,6 +264,23 @@ class Cluster:
         with self._lock:
             return [self._node_view(n) for n in self._nodes.values()]
 
+    def nodes_json(self) -> bytes:
+        """``{"nodes": nodes_view()}`` encoded, rebuilt when a grant or a node changes or it is ``map_max_age`` old.
+
+        Building and encoding the whole map costs milliseconds on a large cluster; a dashboard polling
+        it must not take the lock that often. Heartbeat figures are at most ``map_max_age`` stale.
+        """
+        now = time.monotonic()
+        with self._lock:
+            version, cached = self._map_version, self._map_cache
+            if cached is not None and cached[0] == version and now - cached[1] < self.map_max_age:
+                return cached[2]
+            view = [self._node_view(n) for n in self._nodes.values()]
+        body = json.dumps({"nodes": view}, separators=(",", ":")).encode()
+        with self._lock:
+            self._map_cache = (version, now, body)
+        return body
+
     def needs_image(self) -> bool:
         """True when every ready node runs Docker, so a request without an image cannot run anywhere."""
         with self._lock:
@@ -278,6 +299,10 @@ class Cluster:
             raise NotFound(f"no container with id {cid!r}")
         return record
 
+    def _node_gpus(self, name: str) -> list[Gpu]:
+        node = self._nodes.get(name)
+        return node.gpus if node is not None else []
+
     def _gpu_for(self, node: str, info: GpuInfo) -> Gpu:
         gpu = self._gpus.get(info.uuid)
         if gpu is None or gpu.node != node:
@@ -287,6 +312,7 @@ class Cluster:
         return gpu
 
     def _set_ready(self, node: Node, ready: bool, *, quiet: bool = False) -> None:
+        self._map_version += 1
         node.ready = ready
         for gpu in node.gpus:
             (self._index.add if ready and gpu not in self._index else self._index.discard)(gpu)
@@ -295,6 +321,7 @@ class Cluster:
             self.events.record(kind, f"node {node.name} is {'ready' if ready else 'down'}", node=node.name)
 
     def _grant(self, record: Container) -> None:
+        self._map_version += 1
         for uid in record.gpus:
             gpu = self._gpus[uid]
             gpu.reserved += record.gpu_memory
@@ -302,6 +329,7 @@ class Cluster:
             self._index.update(gpu)
 
     def _release(self, record: Container) -> None:
+        self._map_version += 1
         for uid in record.gpus:
             gpu = self._gpus.get(uid)
             if gpu is not None and record.id in gpu.holders:
@@ -325,8 +353,7 @@ class Cluster:
         record.finished_at = record.finished_at or time.time()
         self._finished.append(record.id)
         self._forget_oldest()
-        kind = {State.KILLED: EventType.KILLED, State.FAILED: EventType.FAILED,
-                State.REMOVED: EventType.REMOVED}.get(state, EventType.EXITED)
+        kind = _FINAL_EVENTS.get(state, EventType.EXITED)
         text = f"{state}" + (f": {reason}" if reason else "")
         text += f" (exit {exit_code})" if exit_code is not None else ""
         self.events.record(kind, text, node=record.node, container=record.id, **detail)
@@ -350,7 +377,8 @@ class Cluster:
                 self._refresh(record, report)
             elif record.state in (State.FAILED, State.REMOVED) and report.state == "running":
                 removals.append(report.grant)
-        for record in [c for c in self._containers.values() if c.node == node.name and c.id not in seen]:
+        holders = {cid for gpu in node.gpus for cid in gpu.holders if cid not in seen}
+        for record in [self._containers[cid] for cid in sorted(holders)]:
             if record.state is State.RUNNING:
                 self._finish(record, State.REMOVED, "container disappeared from its node", None, {})
         return removals
@@ -391,6 +419,9 @@ class Cluster:
             "name": node.name, "state": "ready" if node.ready else "down", "last_seen": node.last_seen,
             "runtime": node.runtime, "gpus": [_gpu_view(g) for g in node.gpus],
         }
+
+
+_FINAL_EVENTS = {State.KILLED: EventType.KILLED, State.FAILED: EventType.FAILED, State.REMOVED: EventType.REMOVED}
 
 
 def _final_state(state: str) -> str:

@@ -122,9 +122,10 @@ def _place_one(index: FreeIndex, request: Request) -> list[GpuSlot]:
         if free >= request.memory:
             return [slot]
     else:
-        at = entries.bisect_left(((request.memory, ""),))
-        if at < len(entries):
-            return [entries[at][1]]
+        # irange, not bisect + indexing: indexing makes SortedList keep a position index that
+        # every later add and remove then pays to update
+        for _, slot in entries.irange(minimum=((request.memory, ""),)):
+            return [slot]
     raise _no_fit(request, index.largest_free())
 
 
@@ -136,27 +137,33 @@ def _place_on_nodes(index: FreeIndex, request: Request) -> list[GpuSlot]:
     else:
         nodes = index.by_node.values()
     spread = request.placement is Placement.SPREAD
-    best: list[GpuSlot] | None = None
+    best: list[tuple[int, str, GpuSlot]] | None = None
     best_score = 0
-    largest = 0
     for slots in nodes:
-        largest = max(largest, max((s.free for s in slots), default=0))
         chosen = _best_on_node(slots, request, spread)
         if chosen is None:
             continue
-        score = sum(s.free for s in chosen)
+        score = sum(free for free, _, _ in chosen)
         if best is None or (score > best_score if spread else score < best_score):
             best, best_score = chosen, score
     if best is None:
+        largest = max((s.free for s in nodes_of(index, request.node)), default=0)
         raise _no_fit(request, largest)
-    return best
+    return [slot for _, _, slot in best]
 
 
-def _best_on_node(slots: list[GpuSlot], request: Request, spread: bool) -> list[GpuSlot] | None:
-    fitting = [s for s in slots if s.free >= request.memory]
+def nodes_of(index: FreeIndex, node: str | None) -> list[GpuSlot]:
+    """The schedulable GPUs of ``node``, or of every node."""
+    if node is not None:
+        return list(index.by_node.get(node, []))
+    return [slot for slots in index.by_node.values() for slot in slots]
+
+
+def _best_on_node(slots: list[GpuSlot], request: Request, spread: bool) -> list[tuple[int, str, GpuSlot]] | None:
+    fitting = [(free, s.uuid, s) for s in slots if (free := s.free) >= request.memory]
     if len(fitting) < request.count:
         return None
-    fitting.sort(key=lambda s: (s.free, s.uuid), reverse=spread)
+    fitting.sort(key=lambda item: item[:2], reverse=spread)
     return fitting[: request.count]
 
 

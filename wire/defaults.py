@@ -30,6 +30,9 @@ EVENTS_KEPT = 1000
 #: Finished container records kept for ``GET /v1/containers`` before the oldest are forgotten.
 FINISHED_KEPT = 1000
 
+#: ``GET /v1/nodes`` serves a cached map this old at most while no grant or node changed.
+MAP_MAX_AGE = 0.5
+
 #: Spec used by ``--gpus auto`` when no NVIDIA driver answers.
 SIM_SPEC = "sim:2x24GiB"
 PLACEMENT = "spread"
