@@ -81,8 +81,11 @@ def prepare(args: list[str], config: dict) -> None:
     """For ``create ARGS``: if the bundle asks for GPU memory, get a grant and write it into the bundle."""
     bundle, container_id = _create_target(args)
     spec_path = Path(bundle) / "config.json"
-    spec = json.loads(spec_path.read_text())
-    env = _env_map(spec.get("process", {}).get("env", []))
+    try:
+        spec = json.loads(spec_path.read_text())
+        env = _env_map(spec["process"].get("env", []))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # not a bundle we can read: the real runtime reports that in its own words
     if REQUEST_MEMORY not in env:
         return
     grant = ask_agent(_reserve_message(container_id, env), _socket_path(config))

@@ -26,6 +26,22 @@ import sys
 from {module} import main
 sys.exit(main())
 """
+#: The runtime hook is called for every runtime operation of every container on the node (state,
+#: start, kill, delete, ...); only ``create`` needs Python, the rest go straight to the real runtime.
+HOOK_LAUNCHER = """#!/bin/sh
+# installed by 'gpumgr plugin install': only 'create' needs gpumgr, everything else goes to {runtime}
+skip=0
+for arg in "$@"; do
+  if [ "$skip" = 1 ]; then skip=0; continue; fi
+  case "$arg" in
+    --root|--log|--log-format|--criu|--rootless) skip=1 ;;
+    -*) ;;
+    create) exec {python} -I -c 'from plugin.hook import main; main()' "$@" ;;
+    *) break ;;
+  esac
+done
+exec {runtime} "$@"
+"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +67,8 @@ def install(args: argparse.Namespace) -> int:
         print("gpumgr plugin install: neither nvidia-container-runtime nor runc was found; pass --runtime",
               file=sys.stderr)
         return 2
-    hook = _write_launcher(Path(args.bin_dir) / "gpumgr-runtime", "plugin.hook")
+    hook = _write_script(Path(args.bin_dir) / "gpumgr-runtime", HOOK_LAUNCHER.format(python=sys.executable,
+                                                                                    runtime=runtime))
     cli = _write_launcher(Path(args.cli_plugins_dir) / "docker-gpu", "plugin.docker_gpu")
     _write_json(Path(args.runtime_config), {"runtime": runtime, "hook_socket": args.hook_socket})
     changed = _register_runtime(Path(args.daemon_config), hook, default=not args.no_default_runtime)
@@ -78,8 +95,12 @@ def _find_runtime() -> str | None:
 
 
 def _write_launcher(path: Path, module: str) -> Path:
+    return _write_script(path, LAUNCHER.format(python=sys.executable, module=module))
+
+
+def _write_script(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(LAUNCHER.format(python=sys.executable, module=module))
+    path.write_text(text)
     path.chmod(0o755)
     return path.resolve()
 
