@@ -37,6 +37,14 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05, what: str
         time.sleep(interval)
 
 
+def process_gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie waiting for its parent counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
 class Proc:
     """One ``gpumgr`` subcommand as a child process, with its output in a log file."""
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import AgentProc, ManagerProc, wait_for
+from tests.procs import AgentProc, ManagerProc, process_gone, wait_for
 
 GiB = 1 << 30
 USAGE = "/tmp/use"
@@ -148,8 +148,7 @@ def test_process_runtime_pins_host_processes(tmp_path, manager):
         wait_for(lambda: manager.get(f"/v1/containers/{record['id']}").json()["gpu_memory_used"] == GiB, 10,
                  what="process usage")
         assert manager.delete(f"/v1/containers/{record['id']}").json()["state"] == "removed"
-        wait_for(lambda: not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2],
-                 5, what="the process group to be gone")
+        wait_for(lambda: process_gone(pid), 5, what="the process group to be gone")
     finally:
         agent.stop()
 

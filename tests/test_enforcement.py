@@ -5,11 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.procs import AgentProc, wait_for
+from tests.procs import AgentProc, process_gone, wait_for
 
 GiB = 1 << 30
 USAGE = "/tmp/use"
@@ -140,8 +139,7 @@ def test_process_runtime_is_enforced_the_same_way(tmp_path, manager):
         usage.write_text(str(2 * GiB))
         killed = wait_for(lambda: (r := state_of(manager, record))["state"] == "killed" and r, 10, what="the kill")
         assert killed["reason"] == "gpu_memory_exceeded" and killed["detail"]["overrun"]["observed"] == 2 * GiB
-        wait_for(lambda: not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2],
-                 5, what="the process group gone")
+        wait_for(lambda: process_gone(pid), 5, what="the process group to be gone")
         assert manager.gpu(record["gpus"][0]["uuid"])["memory_reserved"] == 0
     finally:
         agent.stop()
