@@ -63,8 +63,8 @@ class Agent:
                                                                   enforcement)
 
     # --- called from any thread --------------------------------------------------------------
-    def report_exit(self, managed: Managed) -> None:
-        """Tell the manager at once that a managed container stopped (runtime callback)."""
+    def report_change(self, managed: Managed) -> None:
+        """Tell the manager at once that a managed container started or stopped (runtime callback)."""
         event = protocol.ContainerEvent(node=self.node, container=managed.report(), detail=managed.detail)
         self._queue(protocol.encode(event))
 
@@ -310,7 +310,7 @@ class Agent:
                 self._wake.send(b"w", zmq.NOBLOCK)
 
 
-def build_runtime(kind: str, on_exit, *, network_mode: str | None, device_requests: str, gpu_kind: str,
+def build_runtime(kind: str, on_change, *, network_mode: str | None, device_requests: str, gpu_kind: str,
                   log_dir: str, mps: bool = False, node: str = "") -> Runtime:
     """The runtime ``kind`` (``auto`` picks Docker when the engine answers, else host processes)."""
     from agent.runtime import DockerRuntime, ProcessRuntime, docker_answers
@@ -318,9 +318,9 @@ def build_runtime(kind: str, on_exit, *, network_mode: str | None, device_reques
     if kind == "auto":
         kind = "docker" if docker_answers() else "process"
     if kind == "process":
-        return ProcessRuntime(on_exit, log_dir=log_dir, mps=mps)
+        return ProcessRuntime(on_change, log_dir=log_dir, mps=mps)
     use_requests = device_requests == "always" or (device_requests == "auto" and gpu_kind == "nvml" and _has_nvidia())
-    return DockerRuntime(on_exit, node=node, network_mode=network_mode, device_requests=use_requests, mps=mps)
+    return DockerRuntime(on_change, node=node, network_mode=network_mode, device_requests=use_requests, mps=mps)
 
 
 def _has_nvidia() -> bool:

@@ -2,7 +2,8 @@
 
 Both runtimes keep an in-memory table of the managed containers they know, so the heartbeat never
 asks Docker anything; Docker is only called to create, stop, remove, and (once, at start) to re-adopt
-the containers that outlived a previous agent. Exits are reported through ``on_exit`` as they happen.
+the containers that outlived a previous agent. Exits (and Swarm task starts) are reported through
+``on_change`` as they happen.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class Managed:
         )
 
 
-ExitCallback = Callable[[Managed], None]
+ChangeCallback = Callable[[Managed], None]
 
 
 def grant_env(spec: ContainerSpec, mps: bool = False) -> dict[str, str]:
@@ -102,8 +103,8 @@ class Runtime:
 
     kind = "none"
 
-    def __init__(self, on_exit: ExitCallback, *, mps: bool = False) -> None:
-        self._on_exit = on_exit
+    def __init__(self, on_change: ChangeCallback, *, mps: bool = False) -> None:
+        self._on_change = on_change
         self.mps = mps
         self._lock = threading.Lock()
         self._table: dict[str, Managed] = {}
@@ -165,7 +166,7 @@ class Runtime:
                 return
             managed.state = "killed" if managed.reason else "exited"
             managed.exit_code = exit_code
-        self._on_exit(managed)
+        self._on_change(managed)
 
 
 class DockerRuntime(Runtime):
@@ -173,9 +174,9 @@ class DockerRuntime(Runtime):
 
     kind = "docker"
 
-    def __init__(self, on_exit: ExitCallback, *, node: str = "", network_mode: str | None = None,
+    def __init__(self, on_change: ChangeCallback, *, node: str = "", network_mode: str | None = None,
                  device_requests: bool = False, client: docker.DockerClient | None = None, mps: bool = False) -> None:
-        super().__init__(on_exit, mps=mps)
+        super().__init__(on_change, mps=mps)
         self.node = node
         self.client = client or docker.from_env()
         self.network_mode = network_mode
@@ -358,8 +359,11 @@ class DockerRuntime(Runtime):
         action = event.get("Action")
         if action == "start":
             with self._lock:
-                if managed.state == "creating":
+                started = managed.state == "creating"
+                if started:
                     managed.state = "running"
+            if started:
+                self._on_change(managed)  # a Swarm task's grant is running now, not at the next heartbeat
         elif action == "die":
             code = event.get("Actor", {}).get("Attributes", {}).get("exitCode")
             self._exited(managed, int(code) if code is not None and str(code).isdigit() else None)
@@ -379,8 +383,8 @@ class ProcessRuntime(Runtime):
 
     kind = "process"
 
-    def __init__(self, on_exit: ExitCallback, *, log_dir: str = "/tmp/gpumgr/logs", mps: bool = False) -> None:
-        super().__init__(on_exit, mps=mps)
+    def __init__(self, on_change: ChangeCallback, *, log_dir: str = "/tmp/gpumgr/logs", mps: bool = False) -> None:
+        super().__init__(on_change, mps=mps)
         self.log_dir = Path(log_dir)
         self._procs: dict[str, subprocess.Popen] = {}
 

@@ -155,7 +155,7 @@ def build_agent(settings: AgentSettings) -> Any:
     procmap.set_root(settings.proc_root)
     source = open_source(settings.gpus, seed=settings.node)
     holder: list[Agent] = []
-    runtime = build_runtime(settings.runtime, lambda m: holder[0].report_exit(m), network_mode=settings.network_mode,
+    runtime = build_runtime(settings.runtime, lambda m: holder[0].report_change(m), network_mode=settings.network_mode,
                             device_requests=settings.device_requests, gpu_kind=source.kind,
                             log_dir=settings.process_log_dir, mps=settings.mps, node=settings.node)
     hook = settings.hook_socket if runtime.kind == "docker" else None

@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Any
 
-from manager.cluster import LIVE, Cluster, PlacementSpec, State
+from manager.cluster import LIVE, TASK_LABEL, Cluster, PlacementSpec, State
 from manager.config import ManagerSettings
 from manager.events import EventLog, EventType
 from manager.link import ManagerLink
@@ -113,6 +113,8 @@ class Manager:
         overrun = event.detail.get("overrun")
         if isinstance(overrun, dict):
             self.cluster.overrun(record.id, overrun)
+        elif report.state == State.RUNNING and record.state is State.CREATING and record.labels.get(TASK_LABEL):
+            self.cluster.started(record.id, report)
         elif report.state in (State.EXITED, State.KILLED):
             state = State.KILLED if report.state == "killed" else State.EXITED
             self.cluster.finish(record.id, state, reason=report.reason, exit_code=report.exit_code,

@@ -12,11 +12,11 @@ import json
 import os
 import subprocess
 import sys
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Any
-
-import requests
-import yaml
 
 from wire.units import format_bytes, parse_bytes
 
@@ -92,20 +92,24 @@ class Manager:
         token = os.environ.get("GPUMGR_TOKEN") or settings.get("token")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
 
-    def call(self, method: str, path: str, **kw: Any) -> Any:
+    def call(self, method: str, path: str, *, params: dict[str, str] | None = None, json_body: Any = None) -> Any:
+        """One REST call (the standard library's client: this CLI should start fast)."""
+        url = self.url + path + (f"?{urllib.parse.urlencode(params)}" if params else "")
+        data = None if json_body is None else json.dumps(json_body).encode()
+        headers = {**self.headers, **({"Content-Type": "application/json"} if data is not None else {})}
+        request = urllib.request.Request(url, data=data, method=method, headers=headers)
         try:
-            response = requests.request(method, self.url + path, headers=self.headers, timeout=TIMEOUT, **kw)
-        except requests.RequestException as exc:
-            raise PluginError(f"cannot reach the gpumgr manager at {self.url} ({type(exc).__name__}); "
-                              "set --manager or GPUMGR_MANAGER") from exc
-        try:
-            body = response.json()
-        except ValueError:
-            body = {}
-        if response.status_code >= 400:
-            error = body.get("error", {}) if isinstance(body, dict) else {}
-            raise PluginError(f"{error.get('message', response.reason)} ({error.get('code', response.status_code)})")
-        return body
+            with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
+                return json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            try:
+                error = json.loads(exc.read()).get("error", {})
+            except (ValueError, AttributeError):
+                error = {}
+            raise PluginError(f"{error.get('message', exc.reason)} ({error.get('code', exc.code)})") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise PluginError(f"cannot reach the gpumgr manager at {self.url} ({exc}); "
+                              "set --manager or GPUMGR_MANAGER") from None
 
 
 # --- service ---------------------------------------------------------------------------------
@@ -184,7 +188,7 @@ def run_container(client: Manager, argv: list[str]) -> int:
             "env": _pairs(args.env), "labels": _pairs(args.label)}
     body.update({k: v for k, v in (("name", args.name), ("node", args.node), ("placement", args.placement),
                                    ("on_overrun", args.on_overrun)) if v})
-    record = client.call("POST", "/v1/containers", json=body)
+    record = client.call("POST", "/v1/containers", json_body=body)
     gpus = ", ".join(f"{g['index']} ({g['uuid']})" for g in record["gpus"])
     print(f"{record['id']}  {record['state']} on {record['node']} GPU {gpus}, {format_bytes(record['gpu_memory'])}"
           f"  container {record['container_id']}")
@@ -275,8 +279,13 @@ def _print_table(rows: list[tuple[str, ...]]) -> None:
 
 
 def _settings() -> dict[str, Any]:
+    path = CONFIG_PATH.expanduser()
+    if not path.exists():
+        return {}
+    import yaml  # only when there is a file to read: this CLI should start fast
+
     try:
-        loaded = yaml.safe_load(CONFIG_PATH.expanduser().read_text())
+        loaded = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError):
         return {}
     return loaded if isinstance(loaded, dict) else {}

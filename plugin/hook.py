@@ -22,10 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
-
-if TYPE_CHECKING:
-    from wire import protocol
+from typing import Any, NoReturn
 
 REQUEST_MEMORY = "GPUMGR_REQUEST_MEMORY"
 REQUEST_GPUS = "GPUMGR_REQUEST_GPUS"
@@ -95,33 +92,46 @@ def prepare(args: list[str], config: dict) -> None:
     _write_atomically(spec_path, json.dumps(spec))
 
 
-def ask_agent(request: protocol.Reserve, socket_path: str, wait: float = WAIT_SECONDS) -> dict:
-    """Ask the agent on ``socket_path`` for a grant; raise Refused with its reason."""
+def ask_agent(request: dict[str, Any], socket_path: str, wait: float = WAIT_SECONDS) -> dict:
+    """Send a ``reserve`` body to the agent on ``socket_path`` and return the grant; raise Refused with its reason.
+
+    Speaks the wire framing directly (no validation library): this runs once per GPU container
+    created on the node, and interpreter start-up is most of its cost.
+    """
     import zmq  # imported here: every other runtime call passes through without paying for it
 
-    from wire import protocol
+    from wire import envelope
     from wire.errors import ProtocolError
 
     if not Path(socket_path).exists():
         raise Refused(f"gpumgr: no gpumgr agent listens on {socket_path}; start 'gpumgr agent' on this node")
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
+    sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
+    msg_id = envelope.new_id()
     try:
         sock.connect(f"ipc://{socket_path}")
-        sock.send(protocol.encode(request))
+        sock.send(envelope.pack("reserve", request, msg_id=msg_id))
         if not sock.poll(int(wait * 1000)):
             raise Refused(f"gpumgr: the agent did not answer within {wait:g}s")
-        _, reply = protocol.decode(sock.recv())
+        reply = envelope.unpack(sock.recv())
     except (zmq.ZMQError, ProtocolError) as exc:
         raise Refused(f"gpumgr: cannot talk to the agent on {socket_path}: {exc}") from exc
     finally:
         sock.close(linger=0)
-    if not isinstance(reply, protocol.Reply):
-        raise Refused(f"gpumgr: unexpected {reply.TYPE} from the agent")
-    if not reply.ok:
-        raise Refused(f"gpumgr: {reply.error.message if reply.error else 'refused'}")
-    return reply.result
+    return _grant_from(reply, msg_id)
+
+
+def _grant_from(reply: Any, msg_id: str) -> dict:
+    body = reply.get("body") if isinstance(reply, dict) else None
+    if not isinstance(body, dict) or reply.get("type") != "reply" or reply.get("reply_to") != msg_id:
+        raise Refused("gpumgr: the agent sent something that is not an answer to this request")
+    if not body.get("ok"):
+        error = body.get("error") or {}
+        raise Refused(f"gpumgr: {error.get('message', 'refused') if isinstance(error, dict) else 'refused'}")
+    result = body.get("result")
+    if not isinstance(result, dict) or not isinstance(result.get("env"), dict) or "grant" not in result:
+        raise Refused("gpumgr: the agent's grant is incomplete")
+    return result
 
 
 def real_runtime(config: dict) -> str:
@@ -136,19 +146,17 @@ def real_runtime(config: dict) -> str:
     _fail(None, "gpumgr: neither nvidia-container-runtime nor runc was found")
 
 
-def _reserve_message(container_id: str, env: dict[str, str]) -> protocol.Reserve:
-    from wire import protocol
-
+def _reserve_message(container_id: str, env: dict[str, str]) -> dict[str, Any]:
+    """The body of a ``reserve`` message (the agent validates it in full before forwarding it)."""
     try:
-        memory = int(env[REQUEST_MEMORY])
-        gpus = int(env.get(REQUEST_GPUS, "1"))
-        return protocol.Reserve(
-            container_id=container_id, gpu_memory=memory, gpus=gpus, name=env.get(TASK_NAME, ""),
-            labels={label: env[var] for var, label in TASK_ENV.items() if env.get(var)},
-            on_overrun=env.get(REQUEST_ON_OVERRUN) or None,
-        )
+        memory, gpus = int(env[REQUEST_MEMORY]), int(env.get(REQUEST_GPUS, "1"))
     except ValueError as exc:
         raise Refused(f"gpumgr: bad GPU request in the container's environment: {exc}") from exc
+    if memory <= 0 or gpus <= 0:
+        raise Refused(f"gpumgr: bad GPU request in the container's environment: {memory} bytes on {gpus} GPU(s)")
+    return {"container_id": container_id, "gpu_memory": memory, "gpus": gpus, "name": env.get(TASK_NAME, ""),
+            "image": "", "labels": {label: env[var] for var, label in TASK_ENV.items() if env.get(var)},
+            "on_overrun": env.get(REQUEST_ON_OVERRUN) or None, "node": ""}
 
 
 def _create_target(args: list[str]) -> tuple[str, str]:

@@ -16,31 +16,48 @@ import signal
 import sys
 from pathlib import Path
 
+from plugin.docker_gpu import METADATA
 from plugin.hook import CONFIG as RUNTIME_CONFIG
-from plugin.hook import DEFAULT_SOCKET, RUNTIME_CANDIDATES, SEARCH_PATH
+from plugin.hook import DEFAULT_SOCKET, REQUEST_MEMORY, RUNTIME_CANDIDATES, SEARCH_PATH
 
 RUNTIME_NAME = "gpumgr"
-LAUNCHER = """#!{python}
+#: The CLI plugin: Docker asks every plugin for its metadata on many commands; answer that without Python.
+CLI_LAUNCHER = """#!/bin/sh
 # installed by 'gpumgr plugin install'
-import sys
-from {module} import main
-sys.exit(main())
+if [ "$1" = docker-cli-plugin-metadata ]; then
+  echo '{metadata}'
+  exit 0
+fi
+exec {python} -I -c 'import sys; from plugin.docker_gpu import main; sys.exit(main())' "$@"
 """
 #: The runtime hook is called for every runtime operation of every container on the node (state,
-#: start, kill, delete, ...); only ``create`` needs Python, the rest go straight to the real runtime.
+#: start, kill, delete, ...). Only the ``create`` of a container whose bundle asks for GPU memory
+#: needs Python; everything else goes straight to the real runtime.
 HOOK_LAUNCHER = """#!/bin/sh
-# installed by 'gpumgr plugin install': only 'create' needs gpumgr, everything else goes to {runtime}
+# installed by 'gpumgr plugin install': only GPU creates need gpumgr, everything else goes to {runtime}
 skip=0
+command=
 for arg in "$@"; do
   if [ "$skip" = 1 ]; then skip=0; continue; fi
   case "$arg" in
     --root|--log|--log-format|--criu|--rootless) skip=1 ;;
     -*) ;;
-    create) exec {python} -I -c 'from plugin.hook import main; main()' "$@" ;;
-    *) break ;;
+    *) command=$arg; break ;;
   esac
 done
-exec {runtime} "$@"
+if [ "$command" = create ]; then
+  bundle=.
+  previous=
+  for arg in "$@"; do
+    case "$previous" in --bundle|-b) bundle=$arg ;; esac
+    case "$arg" in --bundle=*) bundle=${{arg#--bundle=}} ;; esac
+    previous=$arg
+  done
+  if grep -q '{marker}=' "$bundle/config.json" 2>/dev/null; then
+    exec {python} -I -c 'from plugin.hook import main; main()' "$@"
+  fi
+fi
+exec "${{GPUMGR_RUNC:-{runtime}}}" "$@"
 """
 
 
@@ -67,9 +84,10 @@ def install(args: argparse.Namespace) -> int:
         print("gpumgr plugin install: neither nvidia-container-runtime nor runc was found; pass --runtime",
               file=sys.stderr)
         return 2
-    hook = _write_script(Path(args.bin_dir) / "gpumgr-runtime", HOOK_LAUNCHER.format(python=sys.executable,
-                                                                                    runtime=runtime))
-    cli = _write_launcher(Path(args.cli_plugins_dir) / "docker-gpu", "plugin.docker_gpu")
+    hook = _write_script(Path(args.bin_dir) / "gpumgr-runtime",
+                         HOOK_LAUNCHER.format(python=sys.executable, runtime=runtime, marker=REQUEST_MEMORY))
+    cli = _write_script(Path(args.cli_plugins_dir) / "docker-gpu",
+                        CLI_LAUNCHER.format(python=sys.executable, metadata=json.dumps(METADATA)))
     _write_json(Path(args.runtime_config), {"runtime": runtime, "hook_socket": args.hook_socket})
     changed = _register_runtime(Path(args.daemon_config), hook, default=not args.no_default_runtime)
     print(f"installed the OCI runtime hook {hook} (hands over to {runtime})")
@@ -92,10 +110,6 @@ def _find_runtime() -> str | None:
         if found:
             return found
     return None
-
-
-def _write_launcher(path: Path, module: str) -> Path:
-    return _write_script(path, LAUNCHER.format(python=sys.executable, module=module))
 
 
 def _write_script(path: Path, text: str) -> Path:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import AgentProc, ManagerProc
+from tests.procs import TEST_NODES, AgentProc, ManagerProc
 
 TEST_IMAGE = "gpumgr-test/busybox:latest"
 BUSYBOX_APPLETS = ("sh", "sleep", "echo", "cat", "env", "true", "false", "kill", "ls", "rm", "dd", "seq")
@@ -69,9 +69,11 @@ def _busybox_tar(busybox: str) -> bytes:
 
 @pytest.fixture
 def cleanup_containers(docker_client) -> Iterator[None]:
-    """Remove every gpumgr-managed container a test leaves behind."""
+    """Remove every gpumgr-managed container of the tests' nodes that a test leaves behind."""
     yield
     for container in docker_client.containers.list(all=True, filters={"label": "gpumgr.grant"}):
+        if container.labels.get("gpumgr.node") not in TEST_NODES:
+            continue
         with contextlib.suppress(Exception):  # already gone
             container.remove(force=True)
 

@@ -15,6 +15,8 @@ from typing import Any
 import requests
 
 ROOT = Path(__file__).resolve().parent.parent
+#: Every node name a test started an agent for: cleanup removes only their containers, never others'.
+TEST_NODES: set[str] = set()
 START_TIMEOUT = 20.0
 
 
@@ -128,6 +130,7 @@ class AgentProc(Proc):
                  runtime: str = "docker", env: dict[str, str] | None = None, wait: bool = True) -> None:
         self.node = node
         self.manager = manager
+        TEST_NODES.add(node)
         self.hook_socket = os.path.join(tempfile.mkdtemp(prefix="gpumgr-"), "hook.sock")
         env = {"GPUMGR_NETWORK_MODE": "none", "GPUMGR_HOOK_SOCKET": self.hook_socket, **(env or {})}
         super().__init__(["agent", "--manager", manager.endpoint, "--node", node, "--gpus", gpus,

@@ -63,7 +63,7 @@ def test_missing_image_is_502_with_dockers_reason_and_leaves_nothing(manager, do
     assert response.status_code == 502, response.text
     assert "absent" in response.json()["error"]["message"]
     assert all(g["memory_reserved"] == 0 for g in manager.node("node-a")["gpus"])
-    assert not docker_client.containers.list(all=True, filters={"label": "gpumgr.grant"})
+    assert not docker_client.containers.list(all=True, filters={"label": "gpumgr.node=node-a"})
     assert manager.get("/v1/containers", params={"state": "failed"}).json()["containers"]
 
 
@@ -72,7 +72,7 @@ def test_failed_start_releases_the_grant_and_removes_the_container(manager, dock
                                                     "command": ["/no/such/binary"]})
     assert response.status_code == 502, response.text
     assert all(g["memory_reserved"] == 0 for g in manager.node("node-a")["gpus"])
-    assert not docker_client.containers.list(all=True, filters={"label": "gpumgr.grant"})
+    assert not docker_client.containers.list(all=True, filters={"label": "gpumgr.node=node-a"})
 
 
 def test_exits_are_reported_promptly_and_free_the_grant(manager, docker_agent, test_image):
@@ -184,4 +184,4 @@ def test_several_agents_place_by_free_memory_across_nodes(tmp_path, manager, tes
         small.stop()
         large.stop()
     labels = {c.labels["gpumgr.node"] for c in docker_client.containers.list(filters={"label": "gpumgr.grant"})}
-    assert labels == {"node-small", "node-large"}
+    assert {"node-small", "node-large"} <= labels

@@ -8,20 +8,16 @@ Requests that expect an answer get a :class:`Reply` whose ``reply_to`` is the re
 
 from __future__ import annotations
 
-import uuid
 from typing import Any, ClassVar
 
-import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from wire import defaults
+from wire import defaults, envelope
+from wire.envelope import VERSION, new_id
 from wire.errors import ProtocolError
 
-VERSION = 1
+__all__ = ["VERSION", "ProtocolError", "decode", "encode", "new_id"]
 _REGISTRY: dict[str, type[Message]] = {}
-#: Per-field bounds inside a frame: no string over 64 KiB, no list or map over this many items.
-_MAX_FIELD = 64 * 1024
-_MAX_ITEMS = 16 * 1024
 
 
 class _Model(BaseModel):
@@ -192,22 +188,9 @@ class Envelope(_Model):
     body: dict[str, Any]
 
 
-def new_id() -> str:
-    """A fresh message id: unique enough to tie a reply to its request across restarts."""
-    return uuid.uuid4().hex
-
-
 def encode(message: Message, *, msg_id: str | None = None, reply_to: str | None = None) -> bytes:
     """Pack ``message`` into one frame. Raises ProtocolError if the frame would be over the size bound."""
-    frame = msgpack.packb(
-        {"v": VERSION, "type": message.TYPE, "id": msg_id or new_id(), "reply_to": reply_to,
-         "body": message.model_dump(mode="python")},
-        use_bin_type=True,
-    )
-    if len(frame) > defaults.MAX_MESSAGE_BYTES:
-        raise ProtocolError(
-            f"{message.TYPE} message of {len(frame)} bytes is over the {defaults.MAX_MESSAGE_BYTES} bound")
-    return frame
+    return envelope.pack(message.TYPE, message.model_dump(mode="python"), msg_id=msg_id, reply_to=reply_to)
 
 
 def decode(frame: bytes) -> tuple[Envelope, Message]:
@@ -216,28 +199,20 @@ def decode(frame: bytes) -> tuple[Envelope, Message]:
     Raises ProtocolError, chained to the cause, for anything oversized, unparseable, of another
     protocol version, of an unknown type or with a body that does not fit its type.
     """
-    if len(frame) > defaults.MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"frame of {len(frame)} bytes is over the {defaults.MAX_MESSAGE_BYTES} bound")
+    raw = envelope.unpack(frame)
     try:
-        raw = msgpack.unpackb(
-            frame, raw=False, strict_map_key=True, max_ext_len=0, max_bin_len=_MAX_FIELD,
-            max_str_len=_MAX_FIELD, max_array_len=_MAX_ITEMS, max_map_len=_MAX_ITEMS,
-        )
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise ProtocolError(f"undecodable frame: {exc}") from exc
-    try:
-        envelope = Envelope.model_validate(raw)
+        head = Envelope.model_validate(raw)
     except ValidationError as exc:
         raise ProtocolError(f"bad envelope: {_first_error(exc)}") from exc
-    if envelope.v != VERSION:
-        raise ProtocolError(f"protocol version {envelope.v} is not {VERSION}")
-    cls = _REGISTRY.get(envelope.type)
+    if head.v != VERSION:
+        raise ProtocolError(f"protocol version {head.v} is not {VERSION}")
+    cls = _REGISTRY.get(head.type)
     if cls is None:
-        raise ProtocolError(f"unknown message type {envelope.type!r}")
+        raise ProtocolError(f"unknown message type {head.type!r}")
     try:
-        return envelope, cls.model_validate(envelope.body)
+        return head, cls.model_validate(head.body)
     except ValidationError as exc:
-        raise ProtocolError(f"bad {envelope.type} body: {_first_error(exc)}") from exc
+        raise ProtocolError(f"bad {head.type} body: {_first_error(exc)}") from exc
 
 
 def message_types() -> dict[str, type[Message]]:

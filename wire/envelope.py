@@ -1,0 +1,45 @@
+"""The wire framing under :mod:`wire.protocol`: one bounded msgpack map ``{v, type, id, reply_to, body}``.
+
+Kept free of validation libraries so that short-lived processes (the OCI runtime hook, started for
+every GPU container) can speak the protocol without paying for importing them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import msgpack
+
+from wire import defaults
+from wire.errors import ProtocolError
+
+VERSION = 1
+#: Per-field bounds inside a frame: no string over 64 KiB, no list or map over this many items.
+MAX_FIELD = 64 * 1024
+MAX_ITEMS = 16 * 1024
+
+
+def new_id() -> str:
+    """A fresh message id: unique enough to tie a reply to its request across restarts."""
+    return uuid.uuid4().hex
+
+
+def pack(kind: str, body: dict[str, Any], *, msg_id: str | None = None, reply_to: str | None = None) -> bytes:
+    """One frame; raises ProtocolError if it would be over the size bound."""
+    frame = msgpack.packb({"v": VERSION, "type": kind, "id": msg_id or new_id(), "reply_to": reply_to, "body": body},
+                          use_bin_type=True)
+    if len(frame) > defaults.MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"{kind} message of {len(frame)} bytes is over the {defaults.MAX_MESSAGE_BYTES} bound")
+    return frame
+
+
+def unpack(frame: bytes) -> Any:
+    """The raw map of one frame (not yet validated); raises ProtocolError for oversized or undecodable input."""
+    if len(frame) > defaults.MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes is over the {defaults.MAX_MESSAGE_BYTES} bound")
+    try:
+        return msgpack.unpackb(frame, raw=False, strict_map_key=True, max_ext_len=0, max_bin_len=MAX_FIELD,
+                               max_str_len=MAX_FIELD, max_array_len=MAX_ITEMS, max_map_len=MAX_ITEMS)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"undecodable frame: {exc}") from exc
