@@ -226,8 +226,10 @@ class Agent:
     def _fresh_sample(self) -> Sample:
         """The enforcer's newest full sample when it is recent enough, else a new one."""
         enforcer = self.enforcer
+        # The enforcer samples every sample_interval (plus the sample's own time and up to one poll);
+        # accept that age, so heartbeats do not take a second sample of their own.
         if enforcer is not None and enforcer.latest is not None and \
-                time.monotonic() - enforcer.latest_at < self.interval:
+                time.monotonic() - enforcer.latest_at < self.interval + enforcer.settings.sample_interval:
             return enforcer.latest
         return take_sample(self.source, self.devices, self.runtime)
 

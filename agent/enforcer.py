@@ -142,7 +142,7 @@ class Enforcer:
 
     def _grew_past_room(self) -> bool:
         """Cheap check: did any GPU's used memory grow by more than its tightest container's room?"""
-        memory = self.source.memory_snapshot()
+        memory = self.source.memory_poll()
         for device in self.devices:
             base = self._baseline.get(device.uuid)
             if base is None:

@@ -48,9 +48,12 @@ VISIBLE_ALL = "all"
 VISIBLE_NONE = frozenset({"none", "void"})
 #: A usage file holds a few numbers; reading more would only let a process make us allocate.
 MAX_USAGE_FILE_BYTES = 4096
-#: For this long after a process is first seen, the cheap poll re-reads it: runc (and shells) exec
-#: the real program right after starting, which changes its environment under the same PID.
+#: For this long after a process is first seen, every sample re-reads its environment: runc (and
+#: shells) exec the real program right after starting, which changes its environment under the same PID.
 SETTLE_SECONDS = 2.0
+#: Every this many seconds a process snapshot re-identifies every host PID, not only new, young and
+#: simulated ones, so that a long-running process that execs into a simulated one is noticed.
+REIDENTIFY_SECONDS = 5.0
 
 NVML_COMPUTE_QUERIES = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetComputeRunningProcesses_v2")
 NVML_MPS_QUERIES = ("nvmlDeviceGetMPSComputeRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses_v2")
@@ -107,7 +110,15 @@ class GpuSource(Protocol):
         ...
 
     def memory_snapshot(self) -> dict[str, int]:
-        """``memory_used`` of every GPU in one go: the enforcer's cheap, frequent poll."""
+        """``memory_used`` of every GPU in one go, exact as of now."""
+        ...
+
+    def memory_poll(self) -> dict[str, int]:
+        """Like ``memory_snapshot`` but as cheap as the source can make it: the enforcer's frequent poll.
+
+        It may miss processes that started since the last ``process_snapshot`` and count ones that
+        ended since; the enforcer only uses it to decide when to take the next full sample.
+        """
         ...
 
     def process_snapshot(self) -> dict[str, list[GpuProcess]]:
@@ -229,6 +240,10 @@ class NvmlSource:
         """Used bytes of every GPU (one cheap memory query each)."""
         return {d.uuid: self.memory_used(d.uuid) for d in self._devices}
 
+    def memory_poll(self) -> dict[str, int]:
+        """The same as ``memory_snapshot``: NVML's memory query already is the cheap one."""
+        return self.memory_snapshot()
+
     def process_snapshot(self) -> dict[str, list[GpuProcess]]:
         """Processes of every GPU (the expensive per-process queries)."""
         return {d.uuid: self.processes(d.uuid) for d in self._devices}
@@ -305,17 +320,33 @@ class _SimProcess:
     visible: tuple[str, ...]
     seen_at: float = 0.0
 
-    def settled(self, now: float) -> bool:
-        """Whether this entry can be trusted without re-reading: new processes often exec right away."""
-        return self.usage_path is not None or now - self.seen_at > SETTLE_SECONDS
+    def trusted(self, now: float) -> bool:
+        """Whether a snapshot may keep this entry without re-reading the process's ``stat``.
+
+        Simulated processes are always re-identified (their PID being reused by another process
+        must never charge the newcomer); others once they are past the age at which they exec.
+        """
+        return self.usage_path is None and now - self.seen_at > SETTLE_SECONDS
+
+
+@dataclass
+class _UsageFile:
+    """A simulated process's usage file, held open so a poll is one ``fstat`` and one ``pread``."""
+
+    fd: int
+    key: tuple[int, int]
 
 
 class SimSource:
     """Simulated GPUs whose usage is whatever simulated processes declare (see the module docstring).
 
-    Each call lists ``proc`` and parses the environment only of processes it has not seen (or whose
-    PID was reused, or which exec'd since), then reads the usage files of the simulated ones, so
-    polling is cheap. Thread-safe. ``proc`` is a parameter so tests can show it a chosen view.
+    A process snapshot lists ``proc`` and re-reads the ``stat`` of new, young and simulated
+    processes (of every process every ``REIDENTIFY_SECONDS``), parsing the environment only of those
+    it has not seen in that identity. Usage files are opened once and re-read with ``pread``; one
+    replaced by rename (its link count drops to 0) is opened again. ``memory_poll`` reads only the
+    files of processes the last snapshot found, without listing ``proc``: that is the enforcer's
+    frequent poll, and what makes it cheap. Thread-safe. ``proc`` is a parameter so tests can show
+    it a chosen view.
     """
 
     kind = "sim"
@@ -327,6 +358,10 @@ class SimSource:
         self._proc = proc or procmap.root()
         self._lock = threading.Lock()
         self._known: dict[int, _SimProcess] = {}
+        #: simulated PIDs in ascending order: the lowest of several sharing one file is charged
+        self._simulated: list[int] = []
+        self._files: dict[int, _UsageFile] = {}
+        self._identified_all_at = -REIDENTIFY_SECONDS
 
     def devices(self) -> list[Device]:
         """The simulated GPUs, in index order."""
@@ -343,20 +378,22 @@ class SimSource:
         return self.process_snapshot()[uuid]
 
     def memory_snapshot(self) -> dict[str, int]:
-        """Used bytes per GPU. Cheap: processes already known are not re-identified, only re-read."""
+        """Used bytes per GPU, processes started since the last call included."""
         with self._lock:
-            self._refresh(full=False)
+            self._refresh()
             usage = self._read_usage()
-        totals = dict.fromkeys(self._uuids, 0)
-        for shares in usage.values():
-            for uuid, used in shares.items():
-                totals[uuid] += used
-        return totals
+        return self._totals(usage)
+
+    def memory_poll(self) -> dict[str, int]:
+        """Used bytes per GPU by the processes the last snapshot found; ``proc`` is not listed."""
+        with self._lock:
+            usage = self._read_usage()
+        return self._totals(usage)
 
     def process_snapshot(self) -> dict[str, list[GpuProcess]]:
-        """Simulated processes per GPU, every PID re-identified (reuse and exec are noticed here)."""
+        """Simulated processes per GPU; PID reuse and exec are noticed here."""
         with self._lock:
-            self._refresh(full=True)
+            self._refresh()
             usage = self._read_usage()
         return {d.uuid: [GpuProcess(pid, shares[d.uuid]) for pid, shares in usage.items() if shares.get(d.uuid)]
                 for d in self._devices}
@@ -365,29 +402,47 @@ class SimSource:
         if uuid not in self._uuids:
             raise KeyError(f"no GPU {uuid} in this source")
 
-    def close(self) -> None:
-        """Forget the process cache; nothing else is held."""
-        with self._lock:
-            self._known = {}
+    def _totals(self, usage: dict[int, dict[str, int]]) -> dict[str, int]:
+        totals = dict.fromkeys(self._uuids, 0)
+        for shares in usage.values():
+            for uuid, used in shares.items():
+                totals[uuid] += used
+        return totals
 
-    def _refresh(self, full: bool = True) -> None:
-        known: dict[int, _SimProcess] = {}
+    def close(self) -> None:
+        """Forget the process cache and close the usage files held open."""
+        with self._lock:
+            self._known, self._simulated = {}, []
+            for pid in list(self._files):
+                self._forget_file(pid)
+
+    def _refresh(self) -> None:
         now = time.monotonic()
+        everyone = now - self._identified_all_at >= REIDENTIFY_SECONDS
+        if everyone:
+            self._identified_all_at = now
+        known: dict[int, _SimProcess] = {}
         for pid in self._pids():
             cached = self._known.get(pid)
-            if not full and cached is not None and cached.settled(now):
+            if not everyone and cached is not None and cached.trusted(now):
                 known[pid] = cached
                 continue
             identity = procmap.identity_of(pid, self._proc)
             if identity is None:
                 continue
-            cached = self._known.get(pid)
-            known[pid] = cached if cached is not None and cached.identity == identity else self._parse(pid, identity)
+            if cached is not None and cached.identity == identity:
+                known[pid] = cached
+            else:
+                known[pid] = self._parse(pid, identity)
+                self._forget_file(pid)
+        for pid in set(self._files) - known.keys():
+            self._forget_file(pid)
         self._known = known
+        self._simulated = [pid for pid, p in sorted(known.items()) if p.usage_path is not None and p.visible]
 
     def _pids(self) -> list[int]:
         with os.scandir(self._proc) as entries:
-            return sorted(int(entry.name) for entry in entries if entry.name.isdigit())
+            return [int(entry.name) for entry in entries if entry.name.isdigit()]
 
     def _parse(self, pid: int, identity: tuple[int, str, int]) -> _SimProcess:
         env = _sim_environ(os.path.join(self._proc, str(pid), "environ"))
@@ -409,10 +464,9 @@ class SimSource:
         """Usage per PID and uuid; the lowest PID of several sharing one file is charged once."""
         usage: dict[int, dict[str, int]] = {}
         files_seen: set[tuple[int, int]] = set()
-        for pid, process in sorted(self._known.items()):
-            if process.usage_path is None or not process.visible:
-                continue
-            amounts = self._read_file(self._resolve(pid, process.usage_path), files_seen)
+        for pid in self._simulated:
+            process = self._known[pid]
+            amounts = self._read_file(pid, process, files_seen)
             if amounts:
                 # Numbers beyond the visible GPUs are ignored; GPUs beyond the numbers use nothing.
                 usage[pid] = dict(zip(process.visible, amounts, strict=False))
@@ -423,30 +477,54 @@ class SimSource:
             return os.path.join(self._proc, str(pid), "root", path.lstrip("/"))
         return os.path.join(self._proc, str(pid), "cwd", path)
 
-    @staticmethod
-    def _read_file(path: str, files_seen: set[tuple[int, int]]) -> list[int]:
-        """The numbers in the usage file at ``path``, or ``[]`` if unreadable, garbage or seen before."""
+    def _read_file(self, pid: int, process: _SimProcess, files_seen: set[tuple[int, int]]) -> list[int]:
+        """The numbers in ``pid``'s usage file, or ``[]`` if it is missing, unreadable, garbage or seen before."""
+        held = self._files.get(pid)
+        try:
+            if held is not None and os.fstat(held.fd).st_nlink == 0:  # replaced (or deleted) since opened
+                self._forget_file(pid)
+                held = None
+            if held is None:
+                held = self._open_file(pid, process)
+                if held is None:
+                    return []
+            if held.key in files_seen:
+                return []
+            files_seen.add(held.key)
+            data = os.pread(held.fd, MAX_USAGE_FILE_BYTES + 1, 0)
+        except OSError:
+            self._forget_file(pid)
+            return []
+        return parse_usage(data) if len(data) <= MAX_USAGE_FILE_BYTES else []
+
+    def _open_file(self, pid: int, process: _SimProcess) -> _UsageFile | None:
+        assert process.usage_path is not None
         try:
             # Non-blocking with a regular-file check, so a FIFO or device planted there cannot hang us.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(self._resolve(pid, process.usage_path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
-            return []
+            return None
         try:
             info = os.fstat(fd)
-            key = (info.st_dev, info.st_ino)
-            if key in files_seen or not stat.S_ISREG(info.st_mode):
-                return []
-            files_seen.add(key)
-            data = os.read(fd, MAX_USAGE_FILE_BYTES + 1)
-            return parse_usage(data) if len(data) <= MAX_USAGE_FILE_BYTES else []
         except OSError:
-            return []
-        finally:
             os.close(fd)
+            return None
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            return None
+        held = self._files[pid] = _UsageFile(fd, (info.st_dev, info.st_ino))
+        return held
+
+    def _forget_file(self, pid: int) -> None:
+        held = self._files.pop(pid, None)
+        if held is not None:
+            os.close(held.fd)
 
 
 def parse_usage(data: bytes) -> list[int]:
     """The comma-separated byte counts in a usage file; ``[]`` unless every entry is a whole number."""
+    if data.strip().isdigit():  # the common case: one number
+        return [int(data)]
     parts = [part.strip() for part in data.split(b",")]
     if not all(part.isdigit() for part in parts):
         return []

@@ -32,16 +32,17 @@ def take_sample(source: GpuSource, devices: list[Device], runtime: Runtime) -> S
     pids: dict[str, dict[str, list[tuple[int, int | None]]]] = defaultdict(lambda: defaultdict(list))
     gpus = []
     processes = source.process_snapshot()
-    memory = source.memory_snapshot()
+    memory = source.memory_poll()  # right after a process snapshot the cheap read is exact
     for device in devices:
         used = memory[device.uuid]
         managed_bytes = 0
         for proc in processes[device.uuid]:
-            owner = runtime.owner_of(proc.pid)
+            started = start_time_of(proc.pid)
+            owner = runtime.owner_of(proc.pid, started)
             if owner is None:
                 continue
             usage[owner.grant][device.uuid] = usage[owner.grant].get(device.uuid, 0) + proc.used
-            pids[owner.grant][device.uuid].append((proc.pid, start_time_of(proc.pid)))
+            pids[owner.grant][device.uuid].append((proc.pid, started))
             managed_bytes += proc.used
         gpus.append(GpuSample(uuid=device.uuid, memory_used=used, memory_unmanaged=max(0, used - managed_bytes)))
     return Sample(gpus, dict(usage), {g: dict(p) for g, p in pids.items()})

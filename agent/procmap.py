@@ -36,6 +36,8 @@ CONTAINER_ID = re.compile(r"(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")
 STAT_FIRST_FIELD_AFTER_COMM = 3
 STAT_START_TIME_FIELD = 22
 STAT_START_STACK_FIELD = 28
+#: One read takes all of a ``stat`` and most ``cgroup`` files; longer ones take a few.
+READ_CHUNK = 4096
 
 
 def container_ids_of(pid: int, proc: str | None = None) -> list[str]:
@@ -110,8 +112,17 @@ def _stat_field(fields: list[str], number: int) -> int | None:
 
 
 def _read_text(path: str) -> str | None:
+    """The whole small ``/proc`` file at ``path``; raw ``os`` calls, since this runs hundreds of times a second."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            return handle.read()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:  # gone, or not ours to read: both mean "nothing to learn here"
         return None
+    try:
+        chunks = []
+        while chunk := os.read(fd, READ_CHUNK):
+            chunks.append(chunk)
+    except OSError:  # the process went away between open and read
+        return None
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("utf-8", "replace")

@@ -42,6 +42,8 @@ ENV_MEMORY = "GPUMGR_GPU_MEMORY"
 ENV_NODE = "GPUMGR_NODE"
 ENV_ON_OVERRUN = "GPUMGR_ON_OVERRUN"
 EVENT_RETRY = 1.0
+#: Processes whose cgroup is remembered at most; the cache starts over when it is full.
+CGROUP_CACHE_SIZE = 65536
 
 
 @dataclass
@@ -122,8 +124,12 @@ class Runtime:
             raise NotFound(f"no managed container holds grant {grant}")
         return found
 
-    def owner_of(self, pid: int) -> Managed | None:
-        """The managed container host process ``pid`` runs in, if any."""
+    def owner_of(self, pid: int, started: int | None = None) -> Managed | None:
+        """The managed container host process ``pid`` runs in, if any.
+
+        ``started`` (the process's start time, when the caller has just read it) lets a runtime reuse
+        what it learned about the same process before; without it everything is read afresh.
+        """
         raise NotImplementedError
 
     def create(self, spec: ContainerSpec) -> Managed:
@@ -182,6 +188,8 @@ class DockerRuntime(Runtime):
         self.network_mode = network_mode
         self.device_requests = device_requests
         self._by_id: dict[str, str] = {}
+        #: host pid → (start time, container ids from its cgroup); only the enforcer's thread uses it
+        self._cgroups: dict[int, tuple[int, list[str]]] = {}
         self._stop = threading.Event()
         self._events = None
         self._adopt()
@@ -251,9 +259,24 @@ class DockerRuntime(Runtime):
 
         threading.Thread(target=stop, name=f"stop-{grant}", daemon=True).start()
 
-    def owner_of(self, pid: int) -> Managed | None:
-        """Map a host pid to its managed container through ``/proc/<pid>/cgroup``."""
-        ids = procmap.container_ids_of(pid)
+    def owner_of(self, pid: int, started: int | None = None) -> Managed | None:
+        """Map a host pid to its managed container through ``/proc/<pid>/cgroup``.
+
+        A process stays in its container's cgroup for life, so with ``started`` the container ids are
+        read once per process (pid + start time) rather than once per sample. The ids, not the
+        answer, are cached: a container the runtime starts tracking later is still found.
+        """
+        ids: list[str] | None = None
+        if started is not None:
+            cached = self._cgroups.get(pid)
+            if cached is not None and cached[0] == started:
+                ids = cached[1]
+        if ids is None:
+            ids = procmap.container_ids_of(pid)
+            if started is not None:
+                if len(self._cgroups) >= CGROUP_CACHE_SIZE:
+                    self._cgroups.clear()
+                self._cgroups[pid] = (started, ids)
         with self._lock:
             for cid in reversed(ids):
                 grant = self._by_id.get(cid)
@@ -438,8 +461,8 @@ class ProcessRuntime(Runtime):
         timer.daemon = True
         timer.start()
 
-    def owner_of(self, pid: int) -> Managed | None:
-        """Map a host pid to its process group's managed entry."""
+    def owner_of(self, pid: int, started: int | None = None) -> Managed | None:
+        """Map a host pid to its process group's managed entry (``getpgid``: nothing worth caching)."""
         group = procmap.process_group_of(pid)
         if group is None:
             return None

@@ -229,8 +229,10 @@ class Cluster:
         with self._lock:
             record = self._get(cid)
             record.detail["overrun"] = detail
-            if detail.get("action") in ("kill", "stop") and record.state in LIVE:
-                self._finish(record, State.KILLED, str(detail.get("reason", "gpu_memory_exceeded")), None, detail)
+            if detail.get("action") in ("kill", "stop"):
+                # Already final means its exit report came first; either way it is not "reported only".
+                if record.state in LIVE:
+                    self._finish(record, State.KILLED, str(detail.get("reason", "gpu_memory_exceeded")), None, detail)
                 return record
         self.events.record(EventType.OVERRUN, f"{detail.get('reason')}: {detail.get('observed')} bytes on "
                            f"{detail.get('gpu')} over a grant of {detail.get('grant_bytes')} (reported only)",

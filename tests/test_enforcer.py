@@ -110,3 +110,29 @@ def test_growth_past_the_tightest_room_triggers_a_full_sample(setup):
     assert enforcer._grew_past_room() is False  # still inside the grant's room
     usage.write_text(str(GiB + 1))
     assert enforcer._grew_past_room() is True
+
+
+@pytest.mark.docker
+def test_cgroup_lookups_are_remembered_per_process_identity(docker_client, test_image, tmp_path):
+    from agent.runtime import DockerRuntime
+    from tests.procs import TEST_NODES
+
+    node = f"unit-cgroup-{tmp_path.name}"[:60]
+    TEST_NODES.add(node)
+    runtime = DockerRuntime(lambda m: None, node=node, network_mode="none", client=docker_client)
+    spec = ContainerSpec(grant="g-cgroup", name="cgroup", image=test_image, command=["sleep", "300"],
+                         gpus=["GPU-x"], gpu_memory=GiB)
+    try:
+        managed = runtime.create(spec)
+        pid = docker_client.api.inspect_container(managed.container_id)["State"]["Pid"]
+        started = start_time_of(pid)
+        assert runtime.owner_of(pid).grant == "g-cgroup"  # no start time: read afresh, nothing kept
+        assert pid not in runtime._cgroups
+        assert runtime.owner_of(pid, started).grant == "g-cgroup"
+        assert runtime._cgroups[pid] == (started, [managed.container_id])
+        runtime._cgroups[pid] = (started, [])  # what is remembered for this identity is used ...
+        assert runtime.owner_of(pid, started) is None
+        assert runtime.owner_of(pid, started + 1).grant == "g-cgroup"  # ... and another identity reads again
+    finally:
+        runtime.remove("g-cgroup", 1)
+        runtime.close()

@@ -350,6 +350,44 @@ def test_process_that_execs_into_a_simulated_one_is_noticed(tmp_path, spawn, vie
     assert source.processes(devices[0].uuid) == [GpuProcess(shell.pid, 321)]
 
 
+def test_poll_rereads_known_processes_and_leaves_discovery_to_snapshots(tmp_path, spawn, view, source,
+                                                                       devices) -> None:
+    first_use = _usage_file(tmp_path, "100")
+    first = spawn(["sleep", "30"], {gpus.SIM_USAGE_ENV: str(first_use)})
+    view.add(first.pid)
+    assert source.memory_poll()[devices[0].uuid] == 0  # nothing snapshotted yet: the poll does not list proc
+    source.process_snapshot()
+    assert source.memory_poll()[devices[0].uuid] == 100
+    first_use.write_text(str(3 * GIB))  # rewritten in place
+    assert source.memory_poll()[devices[0].uuid] == 3 * GIB
+    replacement = first_use.with_name("replacement")
+    replacement.write_text("200")
+    replacement.replace(first_use)  # replaced by rename: the held file's link count drops to 0
+    assert source.memory_poll()[devices[0].uuid] == 200
+    second = spawn(["sleep", "30"], {gpus.SIM_USAGE_ENV: str(_usage_file(tmp_path, "5"))})
+    view.add(second.pid)
+    assert source.memory_poll()[devices[0].uuid] == 200
+    assert source.memory_snapshot()[devices[0].uuid] == 205
+    assert source.memory_poll()[devices[0].uuid] == 205
+
+
+def test_usage_files_are_closed_when_their_process_goes(tmp_path, spawn, view, source, devices) -> None:
+    def open_usage_files() -> int:
+        return sum(os.readlink(fd.path).startswith(str(tmp_path)) for fd in os.scandir("/proc/self/fd")
+                   if fd.is_symlink())
+
+    sleepers = [spawn(["sleep", "30"], {gpus.SIM_USAGE_ENV: str(_usage_file(tmp_path, "10"))}) for _ in range(3)]
+    for sleeper in sleepers:
+        view.add(sleeper.pid)
+    assert source.memory_used(devices[0].uuid) == 30
+    assert open_usage_files() == 3
+    _kill(sleepers[0])
+    assert source.memory_used(devices[0].uuid) == 20
+    assert open_usage_files() == 2
+    source.close()
+    assert open_usage_files() == 0
+
+
 def test_concurrent_callers_agree(tmp_path, spawn, view, source, devices) -> None:
     sleepers = [spawn(["sleep", "30"], {gpus.SIM_USAGE_ENV: str(_usage_file(tmp_path, "10"))}) for _ in range(5)]
     for sleeper in sleepers:
