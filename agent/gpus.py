@@ -342,11 +342,11 @@ class SimSource:
 
     A process snapshot lists ``proc`` and re-reads the ``stat`` of new, young and simulated
     processes (of every process every ``REIDENTIFY_SECONDS``), parsing the environment only of those
-    it has not seen in that identity. Usage files are opened once and re-read with ``pread``; one
-    replaced by rename (its link count drops to 0) is opened again. ``memory_poll`` reads only the
-    files of processes the last snapshot found, without listing ``proc``: that is the enforcer's
-    frequent poll, and what makes it cheap. Thread-safe. ``proc`` is a parameter so tests can show
-    it a chosen view.
+    it has not seen in that identity. Usage files are opened once and re-read with ``pread``; a
+    snapshot opens again one that was replaced by rename (its link count dropped to 0).
+    ``memory_poll`` only re-reads the files the last snapshot held, without listing ``proc`` or
+    checking for replacement: that is the enforcer's frequent poll, and what makes it cheap.
+    Thread-safe. ``proc`` is a parameter so tests can show it a chosen view.
     """
 
     kind = "sim"
@@ -385,9 +385,9 @@ class SimSource:
         return self._totals(usage)
 
     def memory_poll(self) -> dict[str, int]:
-        """Used bytes per GPU by the processes the last snapshot found; ``proc`` is not listed."""
+        """Used bytes per GPU by the processes the last snapshot found, from the files it found."""
         with self._lock:
-            usage = self._read_usage()
+            usage = self._read_usage(fresh=False)
         return self._totals(usage)
 
     def process_snapshot(self) -> dict[str, list[GpuProcess]]:
@@ -460,13 +460,13 @@ class SimSource:
         uuids = (self._by_name.get(entry.strip()) for entry in chosen.split(","))
         return tuple(dict.fromkeys(u for u in uuids if u is not None))
 
-    def _read_usage(self) -> dict[int, dict[str, int]]:
+    def _read_usage(self, fresh: bool = True) -> dict[int, dict[str, int]]:
         """Usage per PID and uuid; the lowest PID of several sharing one file is charged once."""
         usage: dict[int, dict[str, int]] = {}
         files_seen: set[tuple[int, int]] = set()
         for pid in self._simulated:
             process = self._known[pid]
-            amounts = self._read_file(pid, process, files_seen)
+            amounts = self._read_file(pid, process, files_seen, fresh)
             if amounts:
                 # Numbers beyond the visible GPUs are ignored; GPUs beyond the numbers use nothing.
                 usage[pid] = dict(zip(process.visible, amounts, strict=False))
@@ -477,11 +477,15 @@ class SimSource:
             return os.path.join(self._proc, str(pid), "root", path.lstrip("/"))
         return os.path.join(self._proc, str(pid), "cwd", path)
 
-    def _read_file(self, pid: int, process: _SimProcess, files_seen: set[tuple[int, int]]) -> list[int]:
-        """The numbers in ``pid``'s usage file, or ``[]`` if it is missing, unreadable, garbage or seen before."""
+    def _read_file(self, pid: int, process: _SimProcess, files_seen: set[tuple[int, int]], fresh: bool) -> list[int]:
+        """The numbers in ``pid``'s usage file, or ``[]`` if it is missing, unreadable, garbage or seen before.
+
+        With ``fresh`` (snapshots), a held file that was replaced or deleted is dropped and the path
+        opened again; polls skip that ``fstat``, which costs as much as the read on overlay files.
+        """
         held = self._files.get(pid)
         try:
-            if held is not None and os.fstat(held.fd).st_nlink == 0:  # replaced (or deleted) since opened
+            if fresh and held is not None and os.fstat(held.fd).st_nlink == 0:  # replaced or deleted since
                 self._forget_file(pid)
                 held = None
             if held is None:

@@ -9,8 +9,10 @@ registers the hook with the Docker engine as runtime ``gpumgr`` and makes it the
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -28,7 +30,7 @@ if [ "$1" = docker-cli-plugin-metadata ]; then
   echo '{metadata}'
   exit 0
 fi
-exec {python} -I -c 'import sys; from plugin.docker_gpu import main; sys.exit(main())' "$@"
+exec {python} -I -S -c {code} "$@"
 """
 #: The runtime hook is called for every runtime operation of every container on the node (state,
 #: start, kill, delete, ...). Only the ``create`` of a container whose bundle asks for GPU memory
@@ -54,7 +56,7 @@ if [ "$command" = create ]; then
     previous=$arg
   done
   if grep -q '{marker}=' "$bundle/config.json" 2>/dev/null; then
-    exec {python} -I -c 'from plugin.hook import main; main()' "$@"
+    exec {python} -I -S -c {code} "$@"
   fi
 fi
 exec "${{GPUMGR_RUNC:-{runtime}}}" "$@"
@@ -77,6 +79,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dockerd-pidfile", default="/var/run/docker.pid")
 
 
+#: What each launcher imports: the folders of all go on ``sys.path``; the hook's are imported up front,
+#: so a stale path is noticed while the ``site`` fall-back is still possible (``yaml`` is only read
+#: by the CLI when a plugin config file exists).
+HOOK_IMPORTS = ("plugin", "wire", "zmq", "msgpack")
+HOOK_EAGER = ("zmq", "msgpack")
+CLI_IMPORTS = ("plugin", "wire", "yaml")
+
+
+def launcher_code(module: str, imports: tuple[str, ...], eager: tuple[str, ...] = ()) -> str:
+    """Python for ``python -I -S -c``: run ``module.main()`` without the ``site`` start-up.
+
+    ``site`` (every ``.pth`` file, the editable-install finder) is most of an interpreter's start-up
+    time, and the hook starts one per GPU container created. The folders that hold ``imports`` now
+    go on the end of ``sys.path``, where ``site`` would put them; if an import fails (gpumgr moved
+    since ``gpumgr plugin install``), the launcher falls back to the normal ``site`` set-up.
+    """
+    folders: list[str] = []
+    for name in imports:
+        folder = _import_folder(name)
+        if folder is not None and folder not in folders:
+            folders.append(folder)
+    preload = ", ".join((*eager, module))
+    return (f"import sys\nsys.path.extend({json.dumps(folders)})\n"
+            f"try:\n    import {preload}\n"
+            f"except ImportError:\n    import site\n    site.main()\n    import {module}\n"
+            f"sys.exit({module}.main())\n")
+
+
+def _import_folder(name: str) -> str | None:
+    """The ``sys.path`` entry ``name`` is imported from here, or None if it is not importable."""
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:  # a package: its folder's parent
+        return str(Path(next(iter(spec.submodule_search_locations))).parent)
+    return str(Path(spec.origin).parent) if spec.origin else None
+
+
 def install(args: argparse.Namespace) -> int:
     """Do the set-up and say what, if anything, the user must still do."""
     runtime = args.runtime or _find_runtime()
@@ -85,9 +125,12 @@ def install(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     hook = _write_script(Path(args.bin_dir) / "gpumgr-runtime",
-                         HOOK_LAUNCHER.format(python=sys.executable, runtime=runtime, marker=REQUEST_MEMORY))
+                         HOOK_LAUNCHER.format(python=shlex.quote(sys.executable), runtime=runtime,
+                                              marker=REQUEST_MEMORY,
+                                              code=shlex.quote(launcher_code("plugin.hook", HOOK_IMPORTS, HOOK_EAGER))))
     cli = _write_script(Path(args.cli_plugins_dir) / "docker-gpu",
-                        CLI_LAUNCHER.format(python=sys.executable, metadata=json.dumps(METADATA)))
+                        CLI_LAUNCHER.format(python=shlex.quote(sys.executable), metadata=json.dumps(METADATA),
+                                            code=shlex.quote(launcher_code("plugin.docker_gpu", CLI_IMPORTS))))
     _write_json(Path(args.runtime_config), {"runtime": runtime, "hook_socket": args.hook_socket})
     changed = _register_runtime(Path(args.daemon_config), hook, default=not args.no_default_runtime)
     print(f"installed the OCI runtime hook {hook} (hands over to {runtime})")

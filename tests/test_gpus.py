@@ -362,7 +362,9 @@ def test_poll_rereads_known_processes_and_leaves_discovery_to_snapshots(tmp_path
     assert source.memory_poll()[devices[0].uuid] == 3 * GIB
     replacement = first_use.with_name("replacement")
     replacement.write_text("200")
-    replacement.replace(first_use)  # replaced by rename: the held file's link count drops to 0
+    replacement.replace(first_use)  # replaced by rename: the next snapshot opens the new file
+    assert source.memory_poll()[devices[0].uuid] == 3 * GIB
+    assert source.memory_snapshot()[devices[0].uuid] == 200
     assert source.memory_poll()[devices[0].uuid] == 200
     second = spawn(["sleep", "30"], {gpus.SIM_USAGE_ENV: str(_usage_file(tmp_path, "5"))})
     view.add(second.pid)
