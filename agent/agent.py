@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import zmq
 
 from agent.enforcer import Enforcer, EnforcerSettings
 from agent.gpus import GpuSource
+from agent.hooklink import HookConnection, HookListener
 from agent.meter import Sample, take_sample
 from agent.runtime import Managed, Runtime, task_env
 from wire import defaults, protocol
@@ -57,8 +56,8 @@ class Agent:
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="agent-cmd")
         self._stop = threading.Event()
         self.hook_socket = hook_socket
-        self._hook: zmq.Socket | None = None
-        self._reserving: dict[str, tuple[bytes, str, protocol.Reserve, float]] = {}
+        self._hook: HookListener | None = None
+        self._reserving: dict[str, tuple[HookConnection, str, protocol.Reserve, float]] = {}
         self.enforcer = None if enforcement is None else Enforcer(source, self.devices, runtime, self.report_overrun,
                                                                   enforcement)
 
@@ -93,8 +92,7 @@ class Agent:
         poller.register(pull, zmq.POLLIN)
         if self.hook_socket:
             self._hook = self._bind_hook(self.hook_socket)
-            if self._hook is not None:
-                poller.register(self._hook, zmq.POLLIN)
+        watched: set[int] = set()
         backoff, next_register, next_beat = defaults.RECONNECT_MIN, 0.0, 0.0
         try:
             while not self._stop.is_set():
@@ -106,6 +104,8 @@ class Agent:
                     self._send(dealer, protocol.encode(self._heartbeat_message()))
                     next_beat = now + self.interval
                 due = next_beat if self.registered.is_set() else next_register
+                if self._hook is not None:
+                    watched = _watch(poller, watched, set(self._hook.descriptors()))
                 events = dict(poller.poll(max(0, int((due - time.monotonic()) * 1000)) + 1))
                 if pull in events:
                     while pull.poll(0):
@@ -114,14 +114,16 @@ class Agent:
                 if dealer in events and self._drain(dealer):
                     backoff, next_beat = defaults.RECONNECT_MIN, 0.0
                 if self._hook is not None:
-                    if self._hook in events:
-                        self._drain_hook(dealer)
+                    ready = {fd for fd in events if isinstance(fd, int)}
+                    if ready:
+                        self._drain_hook(dealer, ready)
+                    self._hook.expire()
                     self._expire_reservations()
         finally:
             dealer.close(linger=0)
             pull.close(linger=0)
             if self._hook is not None:
-                self._hook.close(linger=0)
+                self._hook.close()
             self._pool.shutdown(wait=False, cancel_futures=True)
             with self._wake_lock:
                 if self._wake is not None:
@@ -138,40 +140,28 @@ class Agent:
         dealer.connect(self.endpoint)
         return dealer
 
-    def _bind_hook(self, path: str) -> zmq.Socket | None:
+    def _bind_hook(self, path: str) -> HookListener | None:
         """The local socket the OCI runtime hook asks for task grants on (root only); None if it cannot be bound."""
-        hook = self._ctx.socket(zmq.ROUTER)
-        hook.setsockopt(zmq.LINGER, 0)
-        hook.setsockopt(zmq.MAXMSGSIZE, defaults.MAX_MESSAGE_BYTES)
         try:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).unlink(missing_ok=True)
-            hook.bind(f"ipc://{path}")
-            os.chmod(path, 0o600)
-        except (OSError, zmq.ZMQError) as exc:
+            hook = HookListener(path, HOOK_TIMEOUT)
+        except OSError as exc:
             log.warning("no Swarm task grants on this node: cannot bind the hook socket %s (%s)", path, exc)
-            hook.close(linger=0)
             return None
         log.info("runtime hook socket on %s", path)
         return hook
 
-    def _drain_hook(self, dealer: zmq.Socket) -> None:
-        while True:
+    def _drain_hook(self, dealer: zmq.Socket, ready: set[int]) -> None:
+        assert self._hook is not None
+        for conn, frame in self._hook.ready(ready):
             try:
-                parts = self._hook.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(parts) != 3 or parts[1]:
-                log.warning("dropped a malformed message on the hook socket")
-                continue
-            try:
-                envelope, message = protocol.decode(parts[2])
+                envelope, message = protocol.decode(frame)
             except ProtocolError as exc:
                 log.warning("dropped a malformed message from the runtime hook: %s", exc)
+                self._hook.drop(conn)
                 continue
-            self._forward_reserve(dealer, parts[0], envelope, message)
+            self._forward_reserve(dealer, conn, envelope, message)
 
-    def _forward_reserve(self, dealer: zmq.Socket, hook_id: bytes, envelope: protocol.Envelope,
+    def _forward_reserve(self, dealer: zmq.Socket, hook_id: HookConnection, envelope: protocol.Envelope,
                          message: protocol.Message) -> None:
         if not isinstance(message, protocol.Reserve):
             self._answer_hook(hook_id, envelope.id, error=("protocol_error", f"unexpected {envelope.type}"))
@@ -186,8 +176,8 @@ class Agent:
             self._send(dealer, protocol.encode(message, msg_id=forward_id))
 
     def _reserved(self, envelope: protocol.Envelope, reply: protocol.Reply) -> None:
-        hook_id, hook_msg, request, _ = self._reserving.pop(envelope.reply_to or "", (b"", "", None, 0))
-        if request is None:
+        hook_id, hook_msg, request, _ = self._reserving.pop(envelope.reply_to or "", (None, "", None, 0))
+        if request is None or hook_id is None:
             return
         if not reply.ok:
             error = reply.error or protocol.ErrorBody(code="error", message="unknown error")
@@ -203,12 +193,12 @@ class Agent:
             hook_id, hook_msg, _, _ = self._reserving.pop(forward_id)
             self._answer_hook(hook_id, hook_msg, error=("agent_timeout", "the manager did not answer in time"))
 
-    def _answer_hook(self, hook_id: bytes, msg_id: str, *, result: dict | None = None,
+    def _answer_hook(self, hook_id: HookConnection, msg_id: str, *, result: dict | None = None,
                      error: tuple[str, str] | None = None) -> None:
         reply = protocol.Reply(ok=error is None, result=result or {},
                                error=protocol.ErrorBody(code=error[0], message=error[1]) if error else None)
-        with contextlib.suppress(zmq.ZMQError):  # the hook gave up waiting
-            self._hook.send_multipart([hook_id, b"", protocol.encode(reply, reply_to=msg_id)], zmq.NOBLOCK)
+        if self._hook is not None:
+            self._hook.answer(hook_id, protocol.encode(reply, reply_to=msg_id))
 
     def _register_message(self) -> protocol.Register:
         gpus = [protocol.GpuInfo(uuid=d.uuid, index=d.index, name=d.name, memory_total=d.memory_total)
@@ -332,3 +322,12 @@ def _has_nvidia() -> bool:
         return "nvidia" in docker.from_env().info().get("Runtimes", {})
     except Exception:  # no engine info means no NVIDIA runtime to use
         return False
+
+
+def _watch(poller: zmq.Poller, watched: set[int], wanted: set[int]) -> set[int]:
+    """Make ``poller`` watch exactly the plain descriptors in ``wanted`` for input; returns ``wanted``."""
+    for fd in watched - wanted:
+        poller.unregister(fd)
+    for fd in wanted - watched:
+        poller.register(fd, zmq.POLLIN)
+    return wanted

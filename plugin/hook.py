@@ -33,6 +33,8 @@ DEFAULT_SOCKET = "/run/gpumgr/agent.sock"
 CONFIG = "/etc/gpumgr/runtime.json"
 #: Longer than the agent's own wait for the manager, so the agent's answer (even a timeout) arrives.
 WAIT_SECONDS = 25.0
+#: A reply is a grant: a few hundred bytes. Anything near this is not from the agent.
+MAX_REPLY_BYTES = 1024 * 1024
 #: runc's global options that take a value; everything else before the command is a flag.
 VALUE_OPTIONS = frozenset({"--root", "--log", "--log-format", "--criu", "--rootless"})
 RUNTIME_CANDIDATES = ("nvidia-container-runtime", "runc")
@@ -95,30 +97,43 @@ def prepare(args: list[str], config: dict) -> None:
 def ask_agent(request: dict[str, Any], socket_path: str, wait: float = WAIT_SECONDS) -> dict:
     """Send a ``reserve`` body to the agent on ``socket_path`` and return the grant; raise Refused with its reason.
 
-    Speaks the wire framing directly (no validation library): this runs once per GPU container
-    created on the node, and interpreter start-up is most of its cost.
+    A plain Unix stream socket and the msgpack envelope, each message preceded by its length
+    (``wire.envelope.frame``): this runs once per GPU container created on the node, and importing
+    anything more (ZeroMQ, a validation library) would be most of its cost.
     """
-    import zmq  # imported here: every other runtime call passes through without paying for it
+    import socket  # imported here: every other runtime call passes through without paying for it
 
     from wire import envelope
     from wire.errors import ProtocolError
 
     if not Path(socket_path).exists():
         raise Refused(f"gpumgr: no gpumgr agent listens on {socket_path}; start 'gpumgr agent' on this node")
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
     msg_id = envelope.new_id()
     try:
-        sock.connect(f"ipc://{socket_path}")
-        sock.send(envelope.pack("reserve", request, msg_id=msg_id))
-        if not sock.poll(int(wait * 1000)):
-            raise Refused(f"gpumgr: the agent did not answer within {wait:g}s")
-        reply = envelope.unpack(sock.recv())
-    except (zmq.ZMQError, ProtocolError) as exc:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(wait)
+            sock.connect(socket_path)
+            sock.sendall(envelope.frame(envelope.pack("reserve", request, msg_id=msg_id)))
+            (size,) = envelope.FRAME_HEADER.unpack(_receive(sock, envelope.FRAME_HEADER.size))
+            if size > MAX_REPLY_BYTES:
+                raise ProtocolError(f"a reply of {size} bytes is over the {MAX_REPLY_BYTES} bound")
+            reply = envelope.unpack(_receive(sock, size))
+    except TimeoutError as exc:
+        raise Refused(f"gpumgr: the agent did not answer within {wait:g}s") from exc
+    except (OSError, ProtocolError) as exc:
         raise Refused(f"gpumgr: cannot talk to the agent on {socket_path}: {exc}") from exc
-    finally:
-        sock.close(linger=0)
     return _grant_from(reply, msg_id)
+
+
+def _receive(sock: Any, size: int) -> bytes:
+    """Exactly ``size`` bytes from ``sock``; ConnectionError if it closes first."""
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the agent closed the connection without an answer")
+        data += chunk
+    return bytes(data)
 
 
 def _grant_from(reply: Any, msg_id: str) -> dict:

@@ -82,8 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 #: What each launcher imports: the folders of all go on ``sys.path``; the hook's are imported up front,
 #: so a stale path is noticed while the ``site`` fall-back is still possible (``yaml`` is only read
 #: by the CLI when a plugin config file exists).
-HOOK_IMPORTS = ("plugin", "wire", "zmq", "msgpack")
-HOOK_EAGER = ("zmq", "msgpack")
+HOOK_IMPORTS = ("plugin", "wire", "msgpack")
+HOOK_EAGER = ("msgpack",)
 CLI_IMPORTS = ("plugin", "wire", "yaml")
 
 

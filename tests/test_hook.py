@@ -59,3 +59,38 @@ def test_a_bad_request_in_the_environment_is_refused_clearly(tmp_path):
     result, handed = run_hook(tmp_path, ["GPUMGR_REQUEST_MEMORY=lots"], str(socket))
     assert result.returncode == 1 and handed == ""
     assert "bad GPU request" in (tmp_path / "log.json").read_text()
+
+
+# --- the hook's socket on a real agent ------------------------------------------------------------
+
+def _raw_exchange(path: str, payload: bytes, wait: float = 5.0) -> bytes:
+    """Send ``payload`` as is on the hook socket and return everything the agent sends back before closing."""
+    import socket as sockets
+
+    with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as sock:
+        sock.settimeout(wait)
+        sock.connect(path)
+        sock.sendall(payload)
+        received = b""
+        while chunk := sock.recv(4096):
+            received += chunk
+        return received
+
+
+@pytest.mark.docker
+def test_the_agent_drops_bad_hook_requests_and_keeps_serving(docker_agent):
+    from plugin.hook import Refused, ask_agent
+    from wire import envelope
+
+    path = docker_agent.hook_socket
+    assert _raw_exchange(path, envelope.frame(b"\xc1 not msgpack")) == b""  # undecodable: closed, no answer
+    assert _raw_exchange(path, envelope.FRAME_HEADER.pack(64 * 1024 * 1024)) == b""  # over the size bound
+    wrong_type = envelope.frame(envelope.pack("heartbeat", {"node": "x", "gpus": [], "containers": []}))
+    reply = envelope.unpack(_raw_exchange(path, wrong_type)[envelope.FRAME_HEADER.size:])
+    assert reply["body"]["ok"] is False and reply["body"]["error"]["code"] == "protocol_error"
+    with pytest.raises(Refused, match="no GPU on node"):  # a real request still gets a real answer
+        ask_agent({"container_id": "c" * 64, "gpu_memory": 1 << 50, "gpus": 1, "name": "", "image": "",
+                   "labels": {}, "on_overrun": None, "node": ""}, path)
+    assert docker_agent.popen.poll() is None
+    log = docker_agent.output()
+    assert "dropped a malformed message from the runtime hook" in log and "over the" in log

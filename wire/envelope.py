@@ -6,6 +6,7 @@ every GPU container) can speak the protocol without paying for importing them.
 
 from __future__ import annotations
 
+import struct
 import uuid
 from typing import Any
 
@@ -18,6 +19,8 @@ VERSION = 1
 #: Per-field bounds inside a frame: no string over 64 KiB, no list or map over this many items.
 MAX_FIELD = 64 * 1024
 MAX_ITEMS = 16 * 1024
+#: On plain stream sockets (the runtime hook's) each frame is preceded by its length.
+FRAME_HEADER = struct.Struct(">I")
 
 
 def new_id() -> str:
@@ -43,3 +46,8 @@ def unpack(frame: bytes) -> Any:
                                max_str_len=MAX_FIELD, max_array_len=MAX_ITEMS, max_map_len=MAX_ITEMS)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise ProtocolError(f"undecodable frame: {exc}") from exc
+
+
+def frame(data: bytes) -> bytes:
+    """``data`` preceded by its length, for a stream socket (ZeroMQ sockets keep message bounds themselves)."""
+    return FRAME_HEADER.pack(len(data)) + data
