@@ -57,3 +57,20 @@ def test_dockerfile_copies_every_package_and_runs_gpumgr() -> None:
     assert set(packages) <= copied and {"pyproject.toml", "README.md"} <= copied
     assert all((ROOT / src).exists() for src in copied)
     assert instructions[0][0] == "FROM" and ["ENTRYPOINT", '["gpumgr"]'] in instructions
+
+
+@pytest.mark.parametrize("name, cls_path", [("manager.yaml", "manager.config:ManagerSettings"),
+                                            ("agent.yaml", "agent.config:AgentSettings")])
+def test_shipped_configs_load_and_name_only_known_settings(name, cls_path):
+    import importlib
+
+    from wire.config import load_settings
+
+    module, _, cls = cls_path.partition(":")
+    settings_class = getattr(importlib.import_module(module), cls)
+    path = ROOT / "configs" / name
+    settings = load_settings(settings_class, str(path))  # unknown keys are an error (extra="forbid")
+    written = yaml.safe_load(path.read_text())
+    assert written
+    for key, value in written.items():
+        assert getattr(settings, key) == value, key
