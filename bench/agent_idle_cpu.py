@@ -31,7 +31,6 @@ import collections
 import contextlib
 import json
 import os
-import platform
 import random
 import shutil
 import signal
@@ -40,7 +39,6 @@ import sys
 import tempfile
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -48,46 +46,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import docker
 import docker.errors
 
+from bench.common import IMAGE, RUN_LABEL, TICK, USAGE, agent_env, cpu_seconds, interrupt, machine, remove_run
 from tests.procs import AgentProc, ManagerProc
 
-IMAGE = "gpumgr-test/busybox:latest"
-RUN_LABEL = "gpumgr-bench.run"
-USAGE = "/tmp/use"
 GiB = 1 << 30
 MiB = 1 << 20
-TICK = os.sysconf("SC_CLK_TCK")
 SLICE = 10.0
 
 
-def machine() -> dict:
-    model = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {"nproc": os.cpu_count(), "cpu_model": model, "python": platform.python_version(),
-            "kernel": platform.release(), "clk_tck": TICK, "loadavg_at_start": os.getloadavg(), "commit": commit()}
 
 
-def commit() -> str:
-    """The checkout's HEAD, with ``+dirty`` when tracked files differ from it."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
-def cpu_seconds(pid: int, task: int | None = None) -> float:
-    """utime+stime of a process (all its threads) or of one of its threads, in seconds."""
-    path = f"/proc/{pid}/stat" if task is None else f"/proc/{pid}/task/{task}/stat"
-    fields = Path(path).read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # fields 14 and 15 of man 5 proc
 
 
 def threads(pid: int) -> dict[int, float]:
@@ -380,31 +350,10 @@ def breakdown(node: str, gpus: str, poll: float = 0.1, sample: float = 1.0, roun
             "estimate_pct": sum(p["pct_of_core"] for p in pieces_out if not p["part"])}
 
 
-def remove_run(client: docker.DockerClient, run_id: str) -> int:
-    found = client.containers.list(all=True, filters={"label": f"{RUN_LABEL}={run_id}"})
-
-    def rm(container) -> None:
-        with contextlib.suppress(docker.errors.APIError):
-            container.remove(force=True)
-
-    with ThreadPoolExecutor(4) as pool:
-        list(pool.map(rm, found))
-    return len(found)
 
 
-def agent_env(args: argparse.Namespace) -> dict[str, str]:
-    """Agent settings that differ from the defaults, as GPUMGR_* variables."""
-    env = {}
-    if args.poll_interval is not None:
-        env["GPUMGR_POLL_INTERVAL"] = str(args.poll_interval)
-    if args.sample_interval is not None:
-        env["GPUMGR_SAMPLE_INTERVAL"] = str(args.sample_interval)
-    return env
 
 
-def interrupt(*_) -> None:
-    """SIGTERM ends the run like Ctrl-C, so the cleanup still runs."""
-    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -432,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     client = docker.from_env(timeout=60)
     client.images.get(IMAGE)  # fail early without the test image
     run_id = uuid.uuid4().hex[:12]
-    info = machine()
+    info = machine(clk_tck=TICK)
     tmp = Path(tempfile.mkdtemp(prefix="gpumgr-enf-idle-"))
     windows: dict[str, dict] = {}
     prof: dict | None = None

@@ -29,17 +29,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import platform
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -47,54 +43,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import docker
 import docker.errors
 
+from bench.common import IMAGE, RUN_LABEL, USAGE, agent_env, interrupt, machine, pct, remove_run, write_usage
 from tests.procs import AgentProc, ManagerProc
 
-IMAGE = "gpumgr-test/busybox:latest"
-RUN_LABEL = "gpumgr-bench.run"
-USAGE = "/tmp/use"
 GiB = 1 << 30
 MiB = 1 << 20
 
 
-def pct(values: list[float], q: float) -> float:
-    """The ``q`` quantile (0..1) by linear interpolation between closest ranks."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q
-    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def machine() -> dict:
-    model = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {"nproc": os.cpu_count(), "cpu_model": model, "python": platform.python_version(),
-            "kernel": platform.release(), "loadavg_at_start": os.getloadavg(), "commit": commit()}
 
 
-def commit() -> str:
-    """The checkout's HEAD, with ``+dirty`` when tracked files differ from it."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
-def write_usage(pid: int, value: int) -> None:
-    """Write ``value`` into the container's usage file from the host, in one write() after O_TRUNC."""
-    fd = os.open(f"/proc/{pid}/root{USAGE}", os.O_WRONLY | os.O_TRUNC)
-    try:
-        os.write(fd, f"{value}\n".encode())
-    finally:
-        os.close(fd)
 
 
 class DieEvents:
@@ -226,31 +187,10 @@ def trial(manager: ManagerProc, client: docker.DockerClient, events: DieEvents, 
     return result
 
 
-def remove_run(client: docker.DockerClient, run_id: str) -> int:
-    found = client.containers.list(all=True, filters={"label": f"{RUN_LABEL}={run_id}"})
-
-    def rm(container) -> None:
-        with contextlib.suppress(docker.errors.APIError):
-            container.remove(force=True)
-
-    with ThreadPoolExecutor(4) as pool:
-        list(pool.map(rm, found))
-    return len(found)
 
 
-def agent_env(args: argparse.Namespace) -> dict[str, str]:
-    """Agent settings that differ from the defaults, as GPUMGR_* variables."""
-    env = {}
-    if args.poll_interval is not None:
-        env["GPUMGR_POLL_INTERVAL"] = str(args.poll_interval)
-    if args.sample_interval is not None:
-        env["GPUMGR_SAMPLE_INTERVAL"] = str(args.sample_interval)
-    return env
 
 
-def interrupt(*_) -> None:
-    """SIGTERM ends the run like Ctrl-C, so the cleanup still runs."""
-    raise KeyboardInterrupt
 
 
 def summary(values: list[float]) -> dict:

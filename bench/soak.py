@@ -25,20 +25,15 @@ gets SIGTERM. A single shell command may be limited in time; run it in the backg
 from __future__ import annotations
 
 import argparse
-import contextlib
 import heapq
 import json
 import math
-import os
-import platform
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -46,52 +41,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import docker
 import docker.errors
 
+from bench.common import IMAGE, RUN_LABEL, USAGE, cpu_seconds, interrupt, machine, remove_run, write_usage
 from tests.procs import AgentProc, ManagerProc
 
-IMAGE = "gpumgr-test/busybox:latest"
-RUN_LABEL = "gpumgr-bench.run"
-USAGE = "/tmp/use"
 GiB = 1 << 30
 MiB = 1 << 20
-TICK = os.sysconf("SC_CLK_TCK")
 
 
-def machine() -> dict:
-    model = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {"nproc": os.cpu_count(), "cpu_model": model, "python": platform.python_version(),
-            "kernel": platform.release(), "loadavg_at_start": os.getloadavg(), "commit": commit()}
 
 
-def commit() -> str:
-    """The checkout's HEAD, with ``+dirty`` when tracked files differ from it."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime+stime of a process and all its threads, in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def write_usage(pid: int, value: int) -> None:
-    fd = os.open(f"/proc/{pid}/root{USAGE}", os.O_WRONLY | os.O_TRUNC)
-    try:
-        os.write(fd, f"{value}\n".encode())
-    finally:
-        os.close(fd)
 
 
 class Soak:
@@ -241,21 +203,8 @@ class Soak:
                 "others_killed": [e["container"] for e in killed if e["container"] != cid]}
 
 
-def remove_run(client: docker.DockerClient, run_id: str) -> int:
-    found = client.containers.list(all=True, filters={"label": f"{RUN_LABEL}={run_id}"})
-
-    def rm(container) -> None:
-        with contextlib.suppress(docker.errors.APIError):
-            container.remove(force=True)
-
-    with ThreadPoolExecutor(4) as pool:
-        list(pool.map(rm, found))
-    return len(found)
 
 
-def interrupt(*_) -> None:
-    """SIGTERM ends the run like Ctrl-C, so the cleanup still runs."""
-    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:

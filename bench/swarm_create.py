@@ -70,7 +70,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -86,24 +85,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import docker
 
+from bench.common import IMAGE, interrupt, pct
+from bench.common import machine as common_machine
 from plugin.install import HOOK_EAGER, HOOK_IMPORTS, launcher_code
 from tests.conftest import _busybox_tar
 from tests.procs import AgentProc, ManagerProc
 from tests.swarm import SwarmEngine
 
-IMAGE = "gpumgr-test/busybox:latest"
 NODE = "swarm-node"
 SERVICE_LABEL = "com.docker.swarm.service.name"
 LIVE = ("creating", "running")
 
 
 # --- statistics and machine --------------------------------------------------------------------
-def pct(values: list[float], q: float) -> float:
-    """The ``q`` quantile (0..1) by linear interpolation between closest ranks."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q
-    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -112,19 +106,12 @@ def summary(values: list[float]) -> dict[str, float]:
 
 
 def machine() -> dict[str, Any]:
-    model = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    versions = subprocess.run(["docker", "version", "--format", "{{.Client.Version}}"], capture_output=True,
-                              text=True).stdout.strip()
-    return {"nproc": os.cpu_count(), "cpu_model": model, "python": platform.python_version(),
-            "kernel": platform.release(), "docker_cli": versions,
-            "dockerd": subprocess.run(["dockerd", "--version"], capture_output=True, text=True).stdout.strip(),
-            "runc": subprocess.run(["runc", "--version"], capture_output=True, text=True).stdout.split("\n")[0],
-            "loadavg_at_start": os.getloadavg()}
+    """The common machine facts plus the Docker CLI, engine and runc versions."""
+    def first_line(argv: list[str]) -> str:
+        return subprocess.run(argv, capture_output=True, text=True).stdout.strip().split("\n")[0]
+
+    return common_machine(docker_cli=first_line(["docker", "version", "--format", "{{.Client.Version}}"]),
+                          dockerd=first_line(["dockerd", "--version"]), runc=first_line(["runc", "--version"]))
 
 
 def docker_time(text: str) -> float:
@@ -502,9 +489,6 @@ def report(args: argparse.Namespace, arms: list[Arm], samples: dict[str, list[di
 
 
 # --- main -----------------------------------------------------------------------------------------
-def interrupt(*_: Any) -> None:
-    """SIGTERM ends the run like Ctrl-C, so the cleanup still runs."""
-    raise KeyboardInterrupt
 
 
 def main() -> int:
