@@ -18,13 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
-from agent.enforcer import Enforcer, EnforcerSettings
-from agent.gpus import GpuSource
-from agent.hooklink import HookConnection, HookListener
-from agent.meter import Sample, take_sample
-from agent.runtime import Managed, Runtime, task_env
-from wire import defaults, protocol
-from wire.errors import GpumgrError, ProtocolError
+from gpumgr.agent.enforcer import Enforcer, EnforcerSettings
+from gpumgr.agent.gpus import GpuSource
+from gpumgr.agent.hooklink import HookConnection, HookListener
+from gpumgr.agent.meter import Sample, take_sample
+from gpumgr.agent.runtime import Managed, Runtime, task_env
+from gpumgr.wire import defaults, protocol
+from gpumgr.wire.errors import GpumgrError, ProtocolError
 
 log = logging.getLogger(__name__)
 WORKERS = 8
@@ -305,7 +305,7 @@ class Agent:
 def build_runtime(kind: str, on_change, *, network_mode: str | None, device_requests: str, gpu_kind: str,
                   log_dir: str, mps: bool = False, node: str = "") -> Runtime:
     """The runtime ``kind`` (``auto`` picks Docker when the engine answers, else host processes)."""
-    from agent.runtime import DockerRuntime, ProcessRuntime, docker_answers
+    from gpumgr.agent.runtime import DockerRuntime, ProcessRuntime, docker_answers
 
     if kind == "auto":
         kind = "docker" if docker_answers() else "process"

@@ -7,9 +7,9 @@ from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field
 
-from agent.enforcer import EnforcerSettings
-from wire import defaults
-from wire.config import Settings, size
+from gpumgr.agent.enforcer import EnforcerSettings
+from gpumgr.wire import defaults
+from gpumgr.wire.config import Settings, size
 
 
 class AgentSettings(Settings):

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent import procmap
-from agent.gpus import Device, GpuSource
-from agent.meter import Sample, take_sample
-from agent.runtime import Managed, Runtime
+from gpumgr.agent import procmap
+from gpumgr.agent.gpus import Device, GpuSource
+from gpumgr.agent.meter import Sample, take_sample
+from gpumgr.agent.runtime import Managed, Runtime
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from typing import Any, Protocol
 
 import pynvml
 
-from agent import procmap
-from wire import defaults
-from wire.units import parse_bytes
+from gpumgr.agent import procmap
+from gpumgr.wire import defaults
+from gpumgr.wire.units import parse_bytes
 
 SIM_PREFIX = "sim:"
 SIM_DEFAULT_NAME = "Simulated GPU"

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wire import defaults, envelope
+from gpumgr.wire import defaults, envelope
 
 log = logging.getLogger(__name__)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from agent.gpus import Device, GpuSource
-from agent.procmap import start_time_of
-from agent.runtime import Runtime
-from wire.protocol import GpuSample
+from gpumgr.agent.gpus import Device, GpuSource
+from gpumgr.agent.procmap import start_time_of
+from gpumgr.agent.runtime import Runtime
+from gpumgr.wire.protocol import GpuSample
 
 
 @dataclass

@@ -24,10 +24,10 @@ import docker
 import docker.errors
 from docker.types import DeviceRequest
 
-from agent import procmap
-from wire import defaults
-from wire.errors import NotFound, RuntimeFailure
-from wire.protocol import ContainerReport, ContainerSpec, Reserve
+from gpumgr.agent import procmap
+from gpumgr.wire import defaults
+from gpumgr.wire.errors import NotFound, RuntimeFailure
+from gpumgr.wire.protocol import ContainerReport, ContainerSpec, Reserve
 
 log = logging.getLogger(__name__)
 

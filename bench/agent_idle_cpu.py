@@ -274,11 +274,11 @@ def breakdown(node: str, gpus: str, poll: float = 0.1, sample: float = 1.0, roun
     try:
         import threading
 
-        from agent import procmap
-        from agent.enforcer import Enforcer
-        from agent.gpus import open_source
-        from agent.runtime import DockerRuntime
-        from wire import protocol
+        from gpumgr.agent import procmap
+        from gpumgr.agent.enforcer import Enforcer
+        from gpumgr.agent.gpus import open_source
+        from gpumgr.agent.runtime import DockerRuntime
+        from gpumgr.wire import protocol
 
         source = open_source(gpus, seed=node)
         runtime = DockerRuntime(lambda m: None, node=node)

@@ -24,11 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from manager.cluster import Cluster, PlacementSpec, State
-from manager.scheduler import Placement, Request, place
-from wire import defaults
-from wire.errors import NoFit
-from wire.protocol import GpuInfo, GpuSample
+from gpumgr.manager.cluster import Cluster, PlacementSpec, State
+from gpumgr.manager.scheduler import Placement, Request, place
+from gpumgr.wire import defaults
+from gpumgr.wire.errors import NoFit
+from gpumgr.wire.protocol import GpuInfo, GpuSample
 
 GiB = 1 << 30
 #: Single-GPU request sizes (GiB) of the timed mix: all fit on a GPU that is ~80% reserved.

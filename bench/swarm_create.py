@@ -87,7 +87,7 @@ import docker
 
 from bench.common import IMAGE, interrupt, pct
 from bench.common import machine as common_machine
-from plugin.install import HOOK_EAGER, HOOK_IMPORTS, launcher_code
+from gpumgr.plugin.install import HOOK_EAGER, HOOK_IMPORTS, launcher_code
 from tests.conftest import _busybox_tar
 from tests.procs import AgentProc, ManagerProc
 from tests.swarm import SwarmEngine
@@ -273,11 +273,11 @@ def hook_probes(engine: SwarmEngine, n: int) -> dict[str, dict[str, float]]:
         "runc --version": time_command(["runc", "--version"], env, n),
         "hook: sh + exec (gpumgr-runtime --version)": time_command([hook, "--version"], env, n),
         "python -I -c pass": time_command([python, "-I", "-c", "pass"], env, n),
-        "python -I: import plugin.hook": time_command([python, "-I", "-c", "import plugin.hook"], env, n),
+        "python -I: import plugin.hook": time_command([python, "-I", "-c", "import gpumgr.plugin.hook"], env, n),
         "python -I -S -c pass": time_command([python, "-I", "-S", "-c", "pass"], env, n),
         "launcher's python -I -S: import msgpack, plugin.hook, socket, wire.envelope": time_command(
-            [python, "-I", "-S", "-c", launcher_code("plugin.hook", HOOK_IMPORTS, HOOK_EAGER).replace(
-                "sys.exit(plugin.hook.main())", "import socket; from wire import envelope")], env, n),
+            [python, "-I", "-S", "-c", launcher_code("gpumgr.plugin.hook", HOOK_IMPORTS, HOOK_EAGER).replace(
+                "sys.exit(gpumgr.plugin.hook.main())", "import socket; from gpumgr.wire import envelope")], env, n),
     }
     write_bundle(base_env)
     results["hook create, no GPU request (pass-through)"] = time_command(
@@ -295,7 +295,7 @@ def hook_probes(engine: SwarmEngine, n: int) -> dict[str, dict[str, float]]:
 # --- --trace-hook: where a create's time goes, measured inside the real engine -------------------
 TRACE_PY = """import json, os, sys, time
 t_start = time.time()
-import plugin.hook as hook
+import gpumgr.plugin.hook as hook
 marks = {{"py_start": t_start, "imported": time.time()}}
 _message = hook._reserve_message
 def message(container_id, env):
@@ -306,7 +306,7 @@ _ask = hook.ask_agent
 def ask(request, socket_path, wait=hook.WAIT_SECONDS):
     marks["ask"] = time.time()
     import socket
-    from wire import envelope
+    from gpumgr.wire import envelope
     marks["libs"] = time.time()
     try:
         return _ask(request, socket_path, wait)
@@ -357,7 +357,7 @@ class HookTrace:
 
     def calls(self) -> tuple[dict[str, dict], list[tuple[str, float]]]:
         """Per container id: the create's marks; and (command, seconds) for every runtime call."""
-        from plugin.hook import split_command
+        from gpumgr.plugin.hook import split_command
 
         creates: dict[str, dict] = {}
         every: list[tuple[str, float]] = []
@@ -379,7 +379,7 @@ def trace_report(trace: HookTrace, arms: list[Arm], samples: dict[str, list[dict
     creates, every = trace.calls()
     phases = [("Created (dockerd) -> runtime create called", "created", "sh_start"),
               ("sh + python startup (to first line)", "sh_start", "py_start"),
-              ("import plugin.hook", "py_start", "imported"),
+              ("import gpumgr.plugin.hook", "py_start", "imported"),
               ("read config.json, parse env", "imported", "message"),
               ("build Reserve", "message", "ask"),
               ("import socket, wire.envelope", "ask", "libs"),

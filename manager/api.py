@@ -9,10 +9,10 @@ from typing import Annotated, Any, Literal
 from flask import Blueprint, Response, current_app, jsonify, request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
-from manager.cluster import SERVICE_LABEL, PlacementSpec, State
-from manager.service import Manager
-from wire.errors import InvalidRequest
-from wire.units import parse_bytes
+from gpumgr.manager.cluster import SERVICE_LABEL, PlacementSpec, State
+from gpumgr.manager.service import Manager
+from gpumgr.wire.errors import InvalidRequest
+from gpumgr.wire.units import parse_bytes
 
 bp = Blueprint("v1", __name__, url_prefix="/v1")
 

@@ -8,9 +8,9 @@ from typing import Any
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from manager import api
-from manager.service import Manager
-from wire.errors import GpumgrError
+from gpumgr.manager import api
+from gpumgr.manager.service import Manager
+from gpumgr.wire.errors import GpumgrError
 
 OPEN_PATHS = frozenset({"/healthz"})
 

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from manager.events import EventLog, EventType
-from manager.scheduler import FreeIndex, GpuSlot, Placement, Request, place
-from wire import defaults
-from wire.errors import NotFound
-from wire.protocol import ContainerReport, GpuInfo, GpuSample
-from wire.units import format_bytes
+from gpumgr.manager.events import EventLog, EventType
+from gpumgr.manager.scheduler import FreeIndex, GpuSlot, Placement, Request, place
+from gpumgr.wire import defaults
+from gpumgr.wire.errors import NotFound
+from gpumgr.wire.protocol import ContainerReport, GpuInfo, GpuSample
+from gpumgr.wire.units import format_bytes
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field
 
-from wire import defaults
-from wire.config import Settings, size
+from gpumgr.wire import defaults
+from gpumgr.wire.config import Settings, size
 
 
 class ManagerSettings(Settings):

@@ -9,7 +9,7 @@ from collections import deque
 from enum import StrEnum
 from typing import Any
 
-from wire import defaults
+from gpumgr.wire import defaults
 
 
 class EventType(StrEnum):

@@ -19,8 +19,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import zmq
 
-from wire import defaults, protocol
-from wire.errors import AgentTimeout, ProtocolError
+from gpumgr.wire import defaults, protocol
+from gpumgr.wire.errors import AgentTimeout, ProtocolError
 
 log = logging.getLogger(__name__)
 

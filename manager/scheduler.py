@@ -14,8 +14,8 @@ from enum import StrEnum
 
 from sortedcontainers import SortedList
 
-from wire.errors import InvalidRequest, NoAgents, NoFit
-from wire.units import format_bytes
+from gpumgr.wire.errors import InvalidRequest, NoAgents, NoFit
+from gpumgr.wire.units import format_bytes
 
 
 class Placement(StrEnum):

@@ -6,12 +6,12 @@ import logging
 import time
 from typing import Any
 
-from manager.cluster import LIVE, TASK_LABEL, Cluster, PlacementSpec, State
-from manager.config import ManagerSettings
-from manager.events import EventLog, EventType
-from manager.link import ManagerLink
-from wire import protocol
-from wire.errors import AgentFailed, AgentTimeout, GpumgrError, NoAgents
+from gpumgr.manager.cluster import LIVE, TASK_LABEL, Cluster, PlacementSpec, State
+from gpumgr.manager.config import ManagerSettings
+from gpumgr.manager.events import EventLog, EventType
+from gpumgr.manager.link import ManagerLink
+from gpumgr.wire import protocol
+from gpumgr.wire.errors import AgentFailed, AgentTimeout, GpumgrError, NoAgents
 
 log = logging.getLogger(__name__)
 

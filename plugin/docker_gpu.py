@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from wire.units import format_bytes, parse_bytes
+from gpumgr.wire.units import format_bytes, parse_bytes
 
 METADATA = {"SchemaVersion": "0.1.0", "Vendor": "gpumgr", "Version": "0.1.0",
             "ShortDescription": "GPU memory grants for containers and Swarm services"}

@@ -103,8 +103,8 @@ def ask_agent(request: dict[str, Any], socket_path: str, wait: float = WAIT_SECO
     """
     import socket  # imported here: every other runtime call passes through without paying for it
 
-    from wire import envelope
-    from wire.errors import ProtocolError
+    from gpumgr.wire import envelope
+    from gpumgr.wire.errors import ProtocolError
 
     if not Path(socket_path).exists():
         raise Refused(f"gpumgr: no gpumgr agent listens on {socket_path}; start 'gpumgr agent' on this node")

@@ -18,11 +18,12 @@ import signal
 import sys
 from pathlib import Path
 
-from plugin.docker_gpu import METADATA
-from plugin.hook import CONFIG as RUNTIME_CONFIG
-from plugin.hook import DEFAULT_SOCKET, REQUEST_MEMORY, RUNTIME_CANDIDATES, SEARCH_PATH
+from gpumgr.plugin.docker_gpu import METADATA
+from gpumgr.plugin.hook import CONFIG as RUNTIME_CONFIG
+from gpumgr.plugin.hook import DEFAULT_SOCKET, REQUEST_MEMORY, RUNTIME_CANDIDATES, SEARCH_PATH
 
 RUNTIME_NAME = "gpumgr"
+PACKAGE = "gpumgr"
 #: The CLI plugin: Docker asks every plugin for its metadata on many commands; answer that without Python.
 CLI_LAUNCHER = """#!/bin/sh
 # installed by 'gpumgr plugin install'
@@ -82,29 +83,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 #: What each launcher imports: the folders of all go on ``sys.path``; the hook's are imported up front,
 #: so a stale path is noticed while the ``site`` fall-back is still possible (``yaml`` is only read
 #: by the CLI when a plugin config file exists).
-HOOK_IMPORTS = ("plugin", "wire", "msgpack")
+HOOK_IMPORTS = ("gpumgr.plugin", "gpumgr.wire", "msgpack")
 HOOK_EAGER = ("msgpack",)
-CLI_IMPORTS = ("plugin", "wire", "yaml")
+CLI_IMPORTS = ("gpumgr.plugin", "gpumgr.wire", "yaml")
 
 
 def launcher_code(module: str, imports: tuple[str, ...], eager: tuple[str, ...] = ()) -> str:
     """Python for ``python -I -S -c``: run ``module.main()`` without the ``site`` start-up.
 
     ``site`` (every ``.pth`` file, the editable-install finder) is most of an interpreter's start-up
-    time, and the hook starts one per GPU container created. The folders that hold ``imports`` now
-    go on the end of ``sys.path``, where ``site`` would put them; if an import fails (gpumgr moved
-    since ``gpumgr plugin install``), the launcher falls back to the normal ``site`` set-up.
+    time, and the hook starts one per GPU container created. The folders that hold the third-party
+    ``imports`` go on the end of ``sys.path``, where ``site`` would put them; gpumgr's own packages
+    are registered by folder (their ``__init__`` files hold only docstrings), because an editable
+    install maps them from separate folders that no ``sys.path`` entry can express. If an import
+    fails (gpumgr moved since ``gpumgr plugin install``), the launcher falls back to ``site``.
     """
     folders: list[str] = []
+    packages: dict[str, str] = {}
     for name in imports:
+        if name.partition(".")[0] == PACKAGE:
+            parts = name.split(".")
+            packages.update({".".join(parts[:i]): _package_folder(".".join(parts[:i])) for i in range(1, len(parts) + 1)})
+            continue
         folder = _import_folder(name)
         if folder is not None and folder not in folders:
             folders.append(folder)
     preload = ", ".join((*eager, module))
     return (f"import sys\nsys.path.extend({json.dumps(folders)})\n"
+            f"for _n, _p in {json.dumps(sorted(packages.items()))}:\n"
+            f"    _m = type(sys)(_n)\n    _m.__path__ = [_p]\n    sys.modules[_n] = _m\n"
+            f"    _up, _, _leaf = _n.rpartition('.')\n    if _up:\n        setattr(sys.modules[_up], _leaf, _m)\n"
             f"try:\n    import {preload}\n"
-            f"except ImportError:\n    import site\n    site.main()\n    import {module}\n"
+            f"except ImportError:\n"
+            f"    for _n in [n for n in sys.modules if n.partition('.')[0] == {PACKAGE!r}]:\n        del sys.modules[_n]\n"
+            f"    import site\n    site.main()\n    import {module}\n"
             f"sys.exit({module}.main())\n")
+
+
+def _package_folder(name: str) -> str:
+    """The folder the installed package ``name`` is imported from."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"{name} is not an importable package")
+    return str(next(iter(spec.submodule_search_locations)))
 
 
 def _import_folder(name: str) -> str | None:
@@ -127,10 +148,10 @@ def install(args: argparse.Namespace) -> int:
     hook = _write_script(Path(args.bin_dir) / "gpumgr-runtime",
                          HOOK_LAUNCHER.format(python=shlex.quote(sys.executable), runtime=runtime,
                                               marker=REQUEST_MEMORY,
-                                              code=shlex.quote(launcher_code("plugin.hook", HOOK_IMPORTS, HOOK_EAGER))))
+                                              code=shlex.quote(launcher_code("gpumgr.plugin.hook", HOOK_IMPORTS, HOOK_EAGER))))
     cli = _write_script(Path(args.cli_plugins_dir) / "docker-gpu",
                         CLI_LAUNCHER.format(python=shlex.quote(sys.executable), metadata=json.dumps(METADATA),
-                                            code=shlex.quote(launcher_code("plugin.docker_gpu", CLI_IMPORTS))))
+                                            code=shlex.quote(launcher_code("gpumgr.plugin.docker_gpu", CLI_IMPORTS))))
     _write_json(Path(args.runtime_config), {"runtime": runtime, "hook_socket": args.hook_socket})
     changed = _register_runtime(Path(args.daemon_config), hook, default=not args.no_default_runtime)
     print(f"installed the OCI runtime hook {hook} (hands over to {runtime})")

@@ -6,7 +6,7 @@ import threading
 
 import zmq
 
-from wire import protocol
+from gpumgr.wire import protocol
 
 GiB = 1 << 30
 

@@ -55,7 +55,7 @@ class Proc:
         self.log_path = log
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._log = open(log, "ab")  # noqa: SIM115 - held open for the child's lifetime, closed in stop()
-        self.popen = subprocess.Popen([sys.executable, "-m", "manager.cli", *args], cwd=ROOT, env=full_env,
+        self.popen = subprocess.Popen([sys.executable, "-m", "gpumgr", *args], cwd=ROOT, env=full_env,
                                       stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def output(self) -> str:

@@ -46,7 +46,7 @@ class SwarmEngine:
 
     def _install(self) -> str:
         result = subprocess.run(
-            [sys.executable, "-m", "manager.cli", "plugin", "install", "--daemon-config", str(self.dir / "daemon.json"),
+            [sys.executable, "-m", "gpumgr", "plugin", "install", "--daemon-config", str(self.dir / "daemon.json"),
              "--bin-dir", str(self.dir / "bin"), "--cli-plugins-dir", str(self.docker_config / "cli-plugins"),
              "--runtime-config", str(self.dir / "runtime.json"), "--hook-socket", self.hook_socket],
             cwd=ROOT, capture_output=True, text=True, check=True)

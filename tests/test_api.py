@@ -7,12 +7,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from manager.app import create_app
-from manager.config import ManagerSettings
-from manager.service import Manager
+from gpumgr.manager.app import create_app
+from gpumgr.manager.config import ManagerSettings
+from gpumgr.manager.service import Manager
 from tests.fake_agent import FakeAgent, GiB
 from tests.procs import wait_for
-from wire.protocol import ContainerReport, Reregister
+from gpumgr.wire.protocol import ContainerReport, Reregister
 
 
 @pytest.fixture

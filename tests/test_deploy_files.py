@@ -53,18 +53,18 @@ def test_dockerfile_copies_every_package_and_runs_gpumgr() -> None:
     instructions = [line.split(None, 1) for line in (SWARM / "Dockerfile").read_text().splitlines()
                     if line.strip() and not line.startswith("#")]
     copied = {src for op, args in instructions if op == "COPY" for src in args.split()[:-1]}
-    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    assert set(packages) <= copied and {"pyproject.toml", "README.md"} <= copied
+    folders = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
+    assert set(folders) <= copied and {"pyproject.toml", "README.md"} <= copied
     assert all((ROOT / src).exists() for src in copied)
     assert instructions[0][0] == "FROM" and ["ENTRYPOINT", '["gpumgr"]'] in instructions
 
 
-@pytest.mark.parametrize("name, cls_path", [("manager.yaml", "manager.config:ManagerSettings"),
-                                            ("agent.yaml", "agent.config:AgentSettings")])
+@pytest.mark.parametrize("name, cls_path", [("manager.yaml", "gpumgr.manager.config:ManagerSettings"),
+                                            ("agent.yaml", "gpumgr.agent.config:AgentSettings")])
 def test_shipped_configs_load_and_name_only_known_settings(name, cls_path):
     import importlib
 
-    from wire.config import load_settings
+    from gpumgr.wire.config import load_settings
 
     module, _, cls = cls_path.partition(":")
     settings_class = getattr(importlib.import_module(module), cls)

@@ -162,7 +162,7 @@ def test_cli_refuses_bad_settings_clearly(argv, words):
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "manager.cli", *argv], capture_output=True, text=True, timeout=30)
+    result = subprocess.run([sys.executable, "-m", "gpumgr", *argv], capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and words in result.stderr, result.stderr
 
 

@@ -18,10 +18,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent import gpus, procmap
-from agent.gpus import Device, GpuProcess, NvmlSource, NvmlUnavailable, SimSource
+from gpumgr.agent import gpus, procmap
+from gpumgr.agent.gpus import Device, GpuProcess, NvmlSource, NvmlUnavailable, SimSource
 from tests.procs import wait_for
-from wire import defaults
+from gpumgr.wire import defaults
 
 GIB = 1024**3
 FOREIGN_UUID = "GPU-00000000-0000-0000-0000-000000000000"

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from plugin.hook import split_command
+from gpumgr.plugin.hook import split_command
 from tests.procs import ROOT
 
 
@@ -35,7 +35,7 @@ def run_hook(tmp_path, env_list: list[str], socket: str) -> tuple[subprocess.Com
     fake_runc.chmod(0o755)
     env = {**os.environ, "GPUMGR_RUNC": str(fake_runc), "GPUMGR_HOOK_SOCKET": socket,
            "GPUMGR_RUNTIME_CONFIG": str(tmp_path / "none.json")}
-    result = subprocess.run([sys.executable, "-m", "plugin.hook", "--root", "/r", "--log", str(log), "create",
+    result = subprocess.run([sys.executable, "-m", "gpumgr.plugin.hook", "--root", "/r", "--log", str(log), "create",
                              "--bundle", str(bundle), "c" * 64], env=env, cwd=ROOT, capture_output=True, text=True)
     return result, (marker.read_text() if marker.exists() else "")
 
@@ -79,8 +79,8 @@ def _raw_exchange(path: str, payload: bytes, wait: float = 5.0) -> bytes:
 
 @pytest.mark.docker
 def test_the_agent_drops_bad_hook_requests_and_keeps_serving(docker_agent):
-    from plugin.hook import Refused, ask_agent
-    from wire import envelope
+    from gpumgr.plugin.hook import Refused, ask_agent
+    from gpumgr.wire import envelope
 
     path = docker_agent.hook_socket
     assert _raw_exchange(path, envelope.frame(b"\xc1 not msgpack")) == b""  # undecodable: closed, no answer

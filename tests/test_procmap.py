@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent import procmap
+from gpumgr.agent import procmap
 
 ID = "0123456789abcdef" * 4
 ID2 = "fedcba9876543210" * 4

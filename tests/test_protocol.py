@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wire import defaults, protocol
-from wire.errors import ProtocolError
+from gpumgr.wire import defaults, protocol
+from gpumgr.wire.errors import ProtocolError
 
 REPORT = protocol.ContainerReport(grant="g1", container_id="c" * 64, name="n", image="img", command=["a", "b"],
                                   gpus=["GPU-1"], gpu_memory=1 << 30, state="running", usage={"GPU-1": 5},

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from manager.cluster import Cluster, PlacementSpec, State
-from manager.scheduler import FreeIndex, GpuSlot, Placement, Request, place
-from wire.errors import NoAgents, NoFit
-from wire.protocol import ContainerReport, GpuInfo, GpuSample
+from gpumgr.manager.cluster import Cluster, PlacementSpec, State
+from gpumgr.manager.scheduler import FreeIndex, GpuSlot, Placement, Request, place
+from gpumgr.wire.errors import NoAgents, NoFit
+from gpumgr.wire.protocol import ContainerReport, GpuInfo, GpuSample
 
 GiB = 1 << 30
 

@@ -6,7 +6,7 @@ from typing import Any, TypeVar
 
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
-from wire.units import parse_bytes
+from gpumgr.wire.units import parse_bytes
 
 S = TypeVar("S", bound="Settings")
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import msgpack
 
-from wire import defaults
-from wire.errors import ProtocolError
+from gpumgr.wire import defaults
+from gpumgr.wire.errors import ProtocolError
 
 VERSION = 1
 #: Per-field bounds inside a frame: no string over 64 KiB, no list or map over this many items.

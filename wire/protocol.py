@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from wire import defaults, envelope
-from wire.envelope import VERSION, new_id
-from wire.errors import ProtocolError
+from gpumgr.wire import defaults, envelope
+from gpumgr.wire.envelope import VERSION, new_id
+from gpumgr.wire.errors import ProtocolError
 
 __all__ = ["VERSION", "ProtocolError", "decode", "encode", "new_id"]
 _REGISTRY: dict[str, type[Message]] = {}

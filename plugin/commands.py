@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from plugin import install
+from gpumgr.plugin import install
 
 
 def add_plugin_commands(sub: argparse._SubParsersAction) -> None:

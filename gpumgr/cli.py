@@ -13,10 +13,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from agent.config import AgentSettings
-from manager.config import ManagerSettings
-from wire import defaults
-from wire.config import load_settings, split_hostport
+from gpumgr.agent.config import AgentSettings
+from gpumgr.manager.config import ManagerSettings
+from gpumgr.wire import defaults
+from gpumgr.wire.config import load_settings, split_hostport
 
 log = logging.getLogger("gpumgr")
 
@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     _manager_flags(up, config_flag="--manager-config")
     _agent_flags(up, config_flag="--agent-config", with_endpoint=False)
     up.set_defaults(func=run_up_command)
-    from plugin.cli import add_plugin_commands
+    from gpumgr.plugin.commands import add_plugin_commands
 
     add_plugin_commands(sub)
     return parser
@@ -131,8 +131,8 @@ def start_manager(settings: ManagerSettings) -> tuple[Any, Any]:
     """Start the manager's link and build (not run) its WSGI server; refuses an open API without a token."""
     from waitress import create_server
 
-    from manager.app import create_app
-    from manager.service import Manager
+    from gpumgr.manager.app import create_app
+    from gpumgr.manager.service import Manager
 
     host, port = split_hostport(settings.api, defaults.API_PORT)
     if settings.token is None and not _is_loopback(host):
@@ -148,9 +148,9 @@ def start_manager(settings: ManagerSettings) -> tuple[Any, Any]:
 
 def build_agent(settings: AgentSettings) -> Any:
     """Open the GPU source and the runtime and wire them into an agent."""
-    from agent import procmap
-    from agent.agent import Agent, build_runtime
-    from agent.gpus import open_source
+    from gpumgr.agent import procmap
+    from gpumgr.agent.agent import Agent, build_runtime
+    from gpumgr.agent.gpus import open_source
 
     procmap.set_root(settings.proc_root)
     source = open_source(settings.gpus, seed=settings.node)
