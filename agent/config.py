@@ -32,11 +32,11 @@ class AgentSettings(Settings):
     device_requests: Literal["auto", "always", "never"] = "auto"
     process_log_dir: str = "/tmp/gpumgr/logs"
     enforce: bool = True
-    poll_interval: float = Field(0.1, gt=0)
-    sample_interval: float = Field(1.0, gt=0)
+    poll_interval: float = Field(defaults.POLL_INTERVAL, gt=0)
+    sample_interval: float = Field(defaults.SAMPLE_INTERVAL, gt=0)
     overrun_tolerance: Annotated[int, BeforeValidator(size)] = 0
-    overrun_samples: int = Field(2, ge=1)
-    stop_grace: float = Field(10.0, ge=0)
+    overrun_samples: int = Field(defaults.OVERRUN_SAMPLES, ge=1)
+    stop_grace: float = Field(defaults.STOP_GRACE, ge=0)
     mps: bool = False
     hook_socket: str | None = "/run/gpumgr/agent.sock"
     proc_root: str = "/proc"

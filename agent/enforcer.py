@@ -23,6 +23,8 @@ from gpumgr.agent import procmap
 from gpumgr.agent.gpus import Device, GpuSource
 from gpumgr.agent.meter import Sample, take_sample
 from gpumgr.agent.runtime import Managed, Runtime
+from gpumgr.wire import defaults
+from gpumgr.wire.names import State
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +38,11 @@ OverrunCallback = Callable[[Managed, dict[str, Any]], None]
 class EnforcerSettings:
     """How eagerly to look and how patient to be (see ``configs/agent.yaml``)."""
 
-    poll_interval: float = 0.1
-    sample_interval: float = 1.0
+    poll_interval: float = defaults.POLL_INTERVAL
+    sample_interval: float = defaults.SAMPLE_INTERVAL
     tolerance: int = 0
-    samples: int = 2
-    stop_grace: float = 10.0
+    samples: int = defaults.OVERRUN_SAMPLES
+    stop_grace: float = defaults.STOP_GRACE
 
 
 @dataclass
@@ -98,7 +100,7 @@ class Enforcer:
         sample = take_sample(self.source, self.devices, self.runtime)
         self.latest, self.latest_at = sample, time.monotonic()
         self.full_samples += 1
-        managed = {m.grant: m for m in self.runtime.managed() if m.state == "running"}
+        managed = {m.grant: m for m in self.runtime.managed() if m.state == State.RUNNING}
         verdicts = self._judge(sample, managed)
         self._remember_room(sample, managed)
         pending = False

@@ -23,7 +23,6 @@ from gpumgr.wire import defaults, envelope
 log = logging.getLogger(__name__)
 
 #: Connections served at once; more are accepted and closed at once (each hook then says so).
-MAX_CONNECTIONS = 256
 READ_SIZE = 64 * 1024
 
 
@@ -123,8 +122,8 @@ class HookListener:
             except OSError as exc:
                 log.warning("could not accept a runtime hook connection: %s", exc)
                 return
-            if len(self._reading) + len(self._waiting) >= MAX_CONNECTIONS:
-                log.warning("refused a runtime hook connection: %d already open", MAX_CONNECTIONS)
+            if len(self._reading) + len(self._waiting) >= defaults.HOOK_MAX_CONNECTIONS:
+                log.warning("refused a runtime hook connection: %d already open", defaults.HOOK_MAX_CONNECTIONS)
                 sock.close()
                 continue
             sock.setblocking(False)

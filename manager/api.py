@@ -9,16 +9,17 @@ from typing import Annotated, Any, Literal
 from flask import Blueprint, Response, current_app, jsonify, request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
-from gpumgr.manager.cluster import SERVICE_LABEL, PlacementSpec, State
+from gpumgr.manager.cluster import PlacementSpec
 from gpumgr.manager.service import Manager
+from gpumgr.wire import defaults
 from gpumgr.wire.errors import InvalidRequest
+from gpumgr.wire.names import LABEL_PREFIX, Label, State
 from gpumgr.wire.units import parse_bytes
 
 bp = Blueprint("v1", __name__, url_prefix="/v1")
 
 NAME_PATTERN = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}$")
-RESERVED_LABEL_PREFIX = "gpumgr."
-MAX_GPUS = 64
+MAX_GPUS = defaults.MAX_GPUS_PER_REQUEST
 
 
 def _memory(value: Any) -> int:
@@ -60,8 +61,8 @@ def manager() -> Manager:
 def create_container() -> tuple[Response, int]:
     """Place and start a container; 201 with its record once it runs."""
     body = _validated(CreateContainer)
-    if any(k.startswith(RESERVED_LABEL_PREFIX) for k in body.labels):
-        raise InvalidRequest(f"labels starting with {RESERVED_LABEL_PREFIX!r} are reserved for gpumgr")
+    if any(k.startswith(LABEL_PREFIX) for k in body.labels):
+        raise InvalidRequest(f"labels starting with {LABEL_PREFIX!r} are reserved for gpumgr")
     if body.image is None and manager().cluster.needs_image():
         raise InvalidRequest("image is required: the ready nodes run containers with Docker")
     settings = manager().settings
@@ -83,7 +84,7 @@ def list_containers() -> Response:
     records = cluster.containers(state=state, node=request.args.get("node"))
     service = request.args.get("service")
     if service is not None:
-        records = [r for r in records if r.labels.get(SERVICE_LABEL) == service]
+        records = [r for r in records if r.labels.get(Label.SERVICE) == service]
     return jsonify({"containers": [cluster.view(r) for r in records]})
 
 

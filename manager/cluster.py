@@ -15,34 +15,20 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
-from gpumgr.manager.events import EventLog, EventType
+from gpumgr.manager.events import EventLog
 from gpumgr.manager.scheduler import FreeIndex, GpuSlot, Placement, Request, place
+from gpumgr.manager.views import container_view, node_view
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import NotFound
+from gpumgr.wire.names import LIVE, EventType, Label, State
 from gpumgr.wire.protocol import ContainerReport, GpuInfo, GpuSample
 from gpumgr.wire.units import format_bytes
 
 log = logging.getLogger(__name__)
 
 
-class State(StrEnum):
-    """A container's life as the manager records it."""
-
-    CREATING = "creating"
-    RUNNING = "running"
-    EXITED = "exited"
-    KILLED = "killed"
-    FAILED = "failed"
-    REMOVED = "removed"
-
-
-LIVE = frozenset({State.CREATING, State.RUNNING})
-#: Label the runtime hook puts on grants it asks for: the Swarm task (or other creator) it serves.
-TASK_LABEL = "gpumgr.task"
-SERVICE_LABEL = "gpumgr.service"
 
 
 @dataclass(eq=False)
@@ -264,7 +250,7 @@ class Cluster:
     def nodes_view(self) -> list[dict[str, Any]]:
         """The machine × GPU map as ``GET /v1/nodes`` shows it."""
         with self._lock:
-            return [self._node_view(n) for n in self._nodes.values()]
+            return [node_view(n) for n in self._nodes.values()]
 
     def nodes_json(self) -> bytes:
         """``{"nodes": nodes_view()}`` encoded, rebuilt when a grant or a node changes or it is ``map_max_age`` old.
@@ -277,7 +263,7 @@ class Cluster:
             version, cached = self._map_version, self._map_cache
             if cached is not None and cached[0] == version and now - cached[1] < self.map_max_age:
                 return cached[2]
-            view = [self._node_view(n) for n in self._nodes.values()]
+            view = [node_view(n) for n in self._nodes.values()]
         body = json.dumps({"nodes": view}, separators=(",", ":")).encode()
         with self._lock:
             self._map_cache = (version, now, body)
@@ -377,7 +363,7 @@ class Cluster:
                 self._adopt(node, report)
             elif record.state in LIVE:
                 self._refresh(record, report)
-            elif record.state in (State.FAILED, State.REMOVED) and report.state == "running":
+            elif record.state in (State.FAILED, State.REMOVED) and report.state == State.RUNNING:
                 removals.append(report.grant)
         holders = {cid for gpu in node.gpus for cid in gpu.holders if cid not in seen}
         for record in [self._containers[cid] for cid in sorted(holders)]:
@@ -388,17 +374,17 @@ class Cluster:
     def _refresh(self, record: Container, report: ContainerReport) -> None:
         record.usage = dict(report.usage)
         record.container_id = report.container_id
-        if record.state is State.CREATING and report.state == State.RUNNING and record.labels.get(TASK_LABEL):
+        if record.state is State.CREATING and report.state == State.RUNNING and record.labels.get(Label.TASK):
             # a Swarm task has no REST caller waiting to mark it running: its agent's report does
             record.state = State.RUNNING
             self.events.record(EventType.STARTED, f"task container {report.container_id[:12]} running",
                                node=record.node, container=record.id)
         if report.state in (State.EXITED, State.KILLED) and record.state is State.RUNNING:
-            state = State.KILLED if report.state == "killed" else State.EXITED
+            state = State.KILLED if report.state == State.KILLED else State.EXITED
             self._finish(record, state, report.reason, report.exit_code, {})
 
     def _adopt(self, node: Node, report: ContainerReport) -> None:
-        running = report.state == "running"
+        running = report.state == State.RUNNING
         record = Container(
             id=report.grant, name=report.name, node=node.name, gpus=list(report.gpus), gpu_memory=report.gpu_memory,
             image=report.image or None, command=list(report.command), labels=dict(report.labels),
@@ -416,11 +402,6 @@ class Cluster:
         self.events.record(EventType.ADOPTED, f"{report.state} container {report.container_id[:12]} re-adopted",
                            node=node.name, container=record.id)
 
-    def _node_view(self, node: Node) -> dict[str, Any]:
-        return {
-            "name": node.name, "state": "ready" if node.ready else "down", "last_seen": node.last_seen,
-            "runtime": node.runtime, "gpus": [_gpu_view(g) for g in node.gpus],
-        }
 
 
 _FINAL_EVENTS = {State.KILLED: EventType.KILLED, State.FAILED: EventType.FAILED, State.REMOVED: EventType.REMOVED}
@@ -428,25 +409,3 @@ _FINAL_EVENTS = {State.KILLED: EventType.KILLED, State.FAILED: EventType.FAILED,
 
 def _final_state(state: str) -> str:
     return state if state in {s.value for s in State} and state not in LIVE else State.EXITED.value
-
-
-def _gpu_view(gpu: Gpu) -> dict[str, Any]:
-    return {
-        "uuid": gpu.uuid, "index": gpu.index, "name": gpu.name, "memory_total": gpu.total,
-        "memory_used": gpu.used, "memory_reserved": gpu.reserved, "memory_unmanaged": gpu.unmanaged,
-        "memory_free": gpu.free, "containers": sorted(gpu.holders),
-    }
-
-
-def container_view(record: Container, gpus: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """A container record as the REST API shows it."""
-    gpus = gpus or {}
-    return {
-        "id": record.id, "name": record.name, "node": record.node,
-        "gpus": [gpus.get(u, {"uuid": u, "index": None, "name": None}) for u in record.gpus],
-        "gpu_memory": record.gpu_memory, "gpu_memory_used": sum(record.usage.values()),
-        "container_id": record.container_id, "state": str(record.state), "exit_code": record.exit_code,
-        "reason": record.reason, "created_at": record.created_at, "finished_at": record.finished_at,
-        "image": record.image, "command": record.command, "labels": record.labels,
-        "on_overrun": record.on_overrun, **({"detail": record.detail} if record.detail else {}),
-    }

@@ -6,25 +6,10 @@ import itertools
 import threading
 import time
 from collections import deque
-from enum import StrEnum
 from typing import Any
 
 from gpumgr.wire import defaults
-
-
-class EventType(StrEnum):
-    """Kinds of events, as clients see them."""
-
-    PLACED = "placed"
-    STARTED = "started"
-    EXITED = "exited"
-    KILLED = "killed"
-    OVERRUN = "overrun"
-    REMOVED = "removed"
-    FAILED = "failed"
-    ADOPTED = "adopted"
-    NODE_UP = "node_up"
-    NODE_DOWN = "node_down"
+from gpumgr.wire.names import EventType
 
 
 class EventLog:

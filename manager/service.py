@@ -6,12 +6,14 @@ import logging
 import time
 from typing import Any
 
-from gpumgr.manager.cluster import LIVE, TASK_LABEL, Cluster, PlacementSpec, State
+from gpumgr.manager.cluster import Cluster, PlacementSpec
 from gpumgr.manager.config import ManagerSettings
-from gpumgr.manager.events import EventLog, EventType
+from gpumgr.manager.events import EventLog
 from gpumgr.manager.link import ManagerLink
-from gpumgr.wire import protocol
+from gpumgr.wire import defaults, protocol
 from gpumgr.wire.errors import AgentFailed, AgentTimeout, GpumgrError, NoAgents
+from gpumgr.wire.link import Peer
+from gpumgr.wire.names import LIVE, EventType, Label, State
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +78,15 @@ class Manager:
     def _remove_on_node(self, node: str, grant: str) -> None:
         if not self.cluster.node_ready(node):
             raise NoAgents(f"node {node} is down; its container is removed when the node comes back")
-        message = protocol.Remove(grant=grant, stop_grace=min(5.0, self.settings.remove_timeout / 2))
+        message = protocol.Remove(grant=grant, stop_grace=min(defaults.STOP_GRACE, self.settings.remove_timeout / 2))
         reply = self.link.request(self.cluster.routing_id(node), message, self.settings.remove_timeout)
         if not reply.ok and (reply.error is None or reply.error.code != "not_found"):
             reason = reply.error.message if reply.error else "unknown error"
             raise AgentFailed(f"node {node} could not remove the container: {reason}")
 
     # --- link handlers (link thread) ---------------------------------------------------------
-    def _on_message(self, routing_id: bytes, envelope: protocol.Envelope, message: protocol.Message) -> None:
+    def _on_message(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Message) -> None:
+        routing_id = peer.routing_id
         if isinstance(message, protocol.Heartbeat):
             removals = self.cluster.heartbeat(message.node, routing_id, message.gpus, message.containers)
             if removals is None:
@@ -113,10 +116,10 @@ class Manager:
         overrun = event.detail.get("overrun")
         if isinstance(overrun, dict):
             self.cluster.overrun(record.id, overrun)
-        elif report.state == State.RUNNING and record.state is State.CREATING and record.labels.get(TASK_LABEL):
+        elif report.state == State.RUNNING and record.state is State.CREATING and record.labels.get(Label.TASK):
             self.cluster.started(record.id, report)
         elif report.state in (State.EXITED, State.KILLED):
-            state = State.KILLED if report.state == "killed" else State.EXITED
+            state = State.KILLED if report.state == State.KILLED else State.EXITED
             self.cluster.finish(record.id, state, reason=report.reason, exit_code=report.exit_code,
                                 detail=event.detail)
 

@@ -18,16 +18,18 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from gpumgr.wire import defaults
+from gpumgr.wire.names import LIVE, Env, Label
 from gpumgr.wire.units import format_bytes, parse_bytes
 
 METADATA = {"SchemaVersion": "0.1.0", "Vendor": "gpumgr", "Version": "0.1.0",
             "ShortDescription": "GPU memory grants for containers and Swarm services"}
 DEFAULT_MANAGER = "http://127.0.0.1:9400"
 CONFIG_PATH = Path("~/.config/gpumgr/plugin.yaml")
-TIMEOUT = 90
+TIMEOUT = defaults.CLI_TIMEOUT
 #: Swarm expands these templates per task; the runtime hook reads them when the task's container is created.
-TASK_TEMPLATES = {"GPUMGR_TASK": "{{.Task.ID}}", "GPUMGR_TASK_NAME": "{{.Task.Name}}",
-                  "GPUMGR_SERVICE": "{{.Service.Name}}", "GPUMGR_SLOT": "{{.Task.Slot}}"}
+TASK_TEMPLATES = {Env.TASK: "{{.Task.ID}}", Env.TASK_NAME: "{{.Task.Name}}",
+                  Env.SERVICE: "{{.Service.Name}}", Env.SLOT: "{{.Task.Slot}}"}
 
 
 class PluginError(Exception):
@@ -88,8 +90,8 @@ class Manager:
 
     def __init__(self, url: str | None) -> None:
         settings = _settings()
-        self.url = (url or os.environ.get("GPUMGR_MANAGER") or settings.get("manager") or DEFAULT_MANAGER).rstrip("/")
-        token = os.environ.get("GPUMGR_TOKEN") or settings.get("token")
+        self.url = (url or os.environ.get(Env.MANAGER) or settings.get("manager") or DEFAULT_MANAGER).rstrip("/")
+        token = os.environ.get(Env.TOKEN) or settings.get("token")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     def call(self, method: str, path: str, *, params: dict[str, str] | None = None, json_body: Any = None) -> Any:
@@ -143,12 +145,12 @@ def service_ps(client: Manager, argv: list[str]) -> int:
     """Each task of the service with its grant and usage, or the reason it has none."""
     name = argv[-1]
     tasks = _docker_json(["service", "ps", "--no-trunc", "--format", "{{json .}}", name])
-    grants = {r["labels"].get("gpumgr.task"): r for r in client.call("GET", "/v1/containers",
+    grants = {r["labels"].get(Label.TASK): r for r in client.call("GET", "/v1/containers",
                                                                         params={"service": name})["containers"]}
     rows = [("TASK", "NODE", "STATE", "GPU", "GRANT", "USED", "NOTE")]
     for task in tasks:
         record = grants.get(task["ID"])
-        live = record and record["state"] in ("creating", "running")
+        live = record and record["state"] in LIVE
         gpu = ",".join(str(g.get("index")) for g in record["gpus"]) if live else "-"
         note = "" if live else (task.get("Error") or (f"grant {record['state']}" if record else ""))
         rows.append((task["Name"], task["Node"], task["CurrentState"], gpu,

@@ -24,15 +24,18 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-REQUEST_MEMORY = "GPUMGR_REQUEST_MEMORY"
-REQUEST_GPUS = "GPUMGR_REQUEST_GPUS"
-REQUEST_ON_OVERRUN = "GPUMGR_REQUEST_ON_OVERRUN"
-TASK_ENV = {"GPUMGR_TASK": "gpumgr.task", "GPUMGR_SERVICE": "gpumgr.service", "GPUMGR_SLOT": "gpumgr.slot"}
-TASK_NAME = "GPUMGR_TASK_NAME"
+from gpumgr.wire import defaults
+from gpumgr.wire.names import Env, Label
+
+REQUEST_MEMORY = Env.REQUEST_MEMORY
+REQUEST_GPUS = Env.REQUEST_GPUS
+REQUEST_ON_OVERRUN = Env.REQUEST_ON_OVERRUN
+TASK_ENV = {Env.TASK: Label.TASK, Env.SERVICE: Label.SERVICE, Env.SLOT: Label.SLOT}
+TASK_NAME = Env.TASK_NAME
 DEFAULT_SOCKET = "/run/gpumgr/agent.sock"
 CONFIG = "/etc/gpumgr/runtime.json"
 #: Longer than the agent's own wait for the manager, so the agent's answer (even a timeout) arrives.
-WAIT_SECONDS = 25.0
+WAIT_SECONDS = defaults.HOOK_WAIT
 #: A reply is a grant: a few hundred bytes. Anything near this is not from the agent.
 MAX_REPLY_BYTES = 1024 * 1024
 #: runc's global options that take a value; everything else before the command is a flag.
@@ -90,7 +93,7 @@ def prepare(args: list[str], config: dict) -> None:
     grant = ask_agent(_reserve_message(container_id, env), _socket_path(config))
     env.update(grant["env"])
     spec["process"]["env"] = [f"{k}={v}" for k, v in env.items()]
-    spec.setdefault("annotations", {})["gpumgr.grant"] = grant["grant"]
+    spec.setdefault("annotations", {})[Label.GRANT] = grant["grant"]
     _write_atomically(spec_path, json.dumps(spec))
 
 
@@ -151,7 +154,7 @@ def _grant_from(reply: Any, msg_id: str) -> dict:
 
 def real_runtime(config: dict) -> str:
     """The runtime to hand over to: configured, else the NVIDIA runtime if installed, else runc."""
-    configured = os.environ.get("GPUMGR_RUNC") or config.get("runtime")
+    configured = os.environ.get(Env.RUNC) or config.get("runtime")
     if configured:
         return configured
     for name in RUNTIME_CANDIDATES:
@@ -210,12 +213,12 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def _socket_path(config: dict) -> str:
-    return os.environ.get("GPUMGR_HOOK_SOCKET") or config.get("hook_socket") or DEFAULT_SOCKET
+    return os.environ.get(Env.HOOK_SOCKET) or config.get("hook_socket") or DEFAULT_SOCKET
 
 
 def _config() -> dict:
     try:
-        return json.loads(Path(os.environ.get("GPUMGR_RUNTIME_CONFIG", CONFIG)).read_text())
+        return json.loads(Path(os.environ.get(Env.RUNTIME_CONFIG, CONFIG)).read_text())
     except (OSError, ValueError):
         return {}
 

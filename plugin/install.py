@@ -83,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 #: What each launcher imports: the folders of all go on ``sys.path``; the hook's are imported up front,
 #: so a stale path is noticed while the ``site`` fall-back is still possible (``yaml`` is only read
 #: by the CLI when a plugin config file exists).
+HOOK_MODULE = "gpumgr.plugin.hook"
+CLI_MODULE = "gpumgr.plugin.docker_gpu"
 HOOK_IMPORTS = ("gpumgr.plugin", "gpumgr.wire", "msgpack")
 HOOK_EAGER = ("msgpack",)
 CLI_IMPORTS = ("gpumgr.plugin", "gpumgr.wire", "yaml")
@@ -103,7 +105,9 @@ def launcher_code(module: str, imports: tuple[str, ...], eager: tuple[str, ...] 
     for name in imports:
         if name.partition(".")[0] == PACKAGE:
             parts = name.split(".")
-            packages.update({".".join(parts[:i]): _package_folder(".".join(parts[:i])) for i in range(1, len(parts) + 1)})
+            for depth in range(1, len(parts) + 1):
+                package = ".".join(parts[:depth])
+                packages[package] = _package_folder(package)
             continue
         folder = _import_folder(name)
         if folder is not None and folder not in folders:
@@ -115,7 +119,8 @@ def launcher_code(module: str, imports: tuple[str, ...], eager: tuple[str, ...] 
             f"    _up, _, _leaf = _n.rpartition('.')\n    if _up:\n        setattr(sys.modules[_up], _leaf, _m)\n"
             f"try:\n    import {preload}\n"
             f"except ImportError:\n"
-            f"    for _n in [n for n in sys.modules if n.partition('.')[0] == {PACKAGE!r}]:\n        del sys.modules[_n]\n"
+            f"    for _n in [n for n in sys.modules if n.partition('.')[0] == {PACKAGE!r}]:\n"
+            f"        del sys.modules[_n]\n"
             f"    import site\n    site.main()\n    import {module}\n"
             f"sys.exit({module}.main())\n")
 
@@ -147,11 +152,11 @@ def install(args: argparse.Namespace) -> int:
         return 2
     hook = _write_script(Path(args.bin_dir) / "gpumgr-runtime",
                          HOOK_LAUNCHER.format(python=shlex.quote(sys.executable), runtime=runtime,
-                                              marker=REQUEST_MEMORY,
-                                              code=shlex.quote(launcher_code("gpumgr.plugin.hook", HOOK_IMPORTS, HOOK_EAGER))))
+                                              marker=REQUEST_MEMORY, code=shlex.quote(
+                                                  launcher_code(HOOK_MODULE, HOOK_IMPORTS, HOOK_EAGER))))
     cli = _write_script(Path(args.cli_plugins_dir) / "docker-gpu",
                         CLI_LAUNCHER.format(python=shlex.quote(sys.executable), metadata=json.dumps(METADATA),
-                                            code=shlex.quote(launcher_code("gpumgr.plugin.docker_gpu", CLI_IMPORTS))))
+                                            code=shlex.quote(launcher_code(CLI_MODULE, CLI_IMPORTS))))
     _write_json(Path(args.runtime_config), {"runtime": runtime, "hook_socket": args.hook_socket})
     changed = _register_runtime(Path(args.daemon_config), hook, default=not args.no_default_runtime)
     print(f"installed the OCI runtime hook {hook} (hands over to {runtime})")

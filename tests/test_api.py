@@ -10,9 +10,9 @@ import pytest
 from gpumgr.manager.app import create_app
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.service import Manager
+from gpumgr.wire.protocol import ContainerReport, Reregister
 from tests.fake_agent import FakeAgent, GiB
 from tests.procs import wait_for
-from gpumgr.wire.protocol import ContainerReport, Reregister
 
 
 @pytest.fixture

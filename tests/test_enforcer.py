@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from gpumgr.agent.enforcer import Enforcer, EnforcerSettings, Verdict
-from gpumgr.agent.gpus import SimSource, parse_sim_spec
+from gpumgr.agent.process_runtime import ProcessRuntime
 from gpumgr.agent.procmap import start_time_of
-from gpumgr.agent.runtime import ProcessRuntime
-from tests.procs import wait_for
+from gpumgr.agent.simgpu import SimSource, parse_sim_spec
 from gpumgr.wire.protocol import ContainerSpec
+from tests.procs import wait_for
 
 GiB = 1 << 30
 
@@ -114,7 +114,7 @@ def test_growth_past_the_tightest_room_triggers_a_full_sample(setup):
 
 @pytest.mark.docker
 def test_cgroup_lookups_are_remembered_per_process_identity(docker_client, test_image, tmp_path):
-    from gpumgr.agent.runtime import DockerRuntime
+    from gpumgr.agent.docker_runtime import DockerRuntime
     from tests.procs import TEST_NODES
 
     node = f"unit-cgroup-{tmp_path.name}"[:60]

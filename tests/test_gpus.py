@@ -18,10 +18,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpumgr.agent import gpus, procmap
-from gpumgr.agent.gpus import Device, GpuProcess, NvmlSource, NvmlUnavailable, SimSource
-from tests.procs import wait_for
+from gpumgr.agent import gpus, nvml, procmap, simgpu
+from gpumgr.agent.gpus import Device, GpuProcess, NvmlUnavailable
+from gpumgr.agent.nvml import NvmlSource
+from gpumgr.agent.simgpu import SimSource
 from gpumgr.wire import defaults
+from tests.procs import wait_for
 
 GIB = 1024**3
 FOREIGN_UUID = "GPU-00000000-0000-0000-0000-000000000000"
@@ -40,18 +42,18 @@ Spawn = Callable[..., subprocess.Popen]
     ("1X1024", [(1024, "Simulated GPU")]),
 ])
 def test_good_specs(spec: str, expected: list[tuple[int, str]]) -> None:
-    devices = gpus.parse_sim_spec(spec, "node-a")
+    devices = simgpu.parse_sim_spec(spec, "node-a")
     assert [(d.memory_total, d.name) for d in devices] == expected
     assert [d.index for d in devices] == list(range(len(expected)))
 
 
 @pytest.mark.parametrize("spec", [
     "", "sim:", "  ", "x24GiB", "0x8GiB", "2x", "2x0", "2x-1GiB", "2xlots", "2x24GiB,", ",2x24GiB",
-    "2x24GiB:", "2x24GiB:  ", "twox8GiB", "2x1.5B", "2*24GiB", "2x24GiB;1x8GiB", f"{gpus.MAX_SIM_DEVICES + 1}x1GiB",
+    "2x24GiB:", "2x24GiB:  ", "twox8GiB", "2x1.5B", "2*24GiB", "2x24GiB;1x8GiB", f"{defaults.MAX_SIM_DEVICES + 1}x1GiB",
 ])
 def test_bad_specs_raise_value_error(spec: str) -> None:
     with pytest.raises(ValueError, match=r"\S"):
-        gpus.parse_sim_spec(spec, "node-a")
+        simgpu.parse_sim_spec(spec, "node-a")
 
 
 NAMES = st.text(st.characters(blacklist_characters=",:", blacklist_categories=("Cs",)), min_size=1, max_size=12)
@@ -61,7 +63,7 @@ ITEMS = st.tuples(st.integers(1, 4), st.integers(1, 1 << 42), st.none() | NAMES.
 @given(st.lists(ITEMS, min_size=1, max_size=5), st.text(max_size=20))
 def test_generated_specs_round_trip(items: list[tuple[int, int, str | None]], seed: str) -> None:
     spec = ",".join(f"{count}x{size}" + (f":{name}" if name else "") for count, size, name in items)
-    devices = gpus.parse_sim_spec(spec, seed)
+    devices = simgpu.parse_sim_spec(spec, seed)
     expected = [(size, name.strip() if name else "Simulated GPU") for count, size, name in items for _ in range(count)]
     assert [(d.memory_total, d.name) for d in devices] == expected
     assert [d.index for d in devices] == list(range(len(devices)))
@@ -71,27 +73,27 @@ def test_generated_specs_round_trip(items: list[tuple[int, int, str | None]], se
 @given(st.text(max_size=40))
 def test_any_text_parses_or_raises_value_error(spec: str) -> None:
     try:
-        devices = gpus.parse_sim_spec(spec, "seed")
+        devices = simgpu.parse_sim_spec(spec, "seed")
     except ValueError:
         return
     assert devices and all(d.memory_total > 0 for d in devices)
 
 
 def test_uuids_are_stable_per_seed_and_unique_across_seeds() -> None:
-    first = gpus.parse_sim_spec("3x8GiB", "node-a")
-    assert [d.uuid for d in first] == [d.uuid for d in gpus.parse_sim_spec("1x1GiB,2x80GiB:H100", "node-a")]
-    other = gpus.parse_sim_spec("3x8GiB", "node-b")
+    first = simgpu.parse_sim_spec("3x8GiB", "node-a")
+    assert [d.uuid for d in first] == [d.uuid for d in simgpu.parse_sim_spec("1x1GiB,2x80GiB:H100", "node-a")]
+    other = simgpu.parse_sim_spec("3x8GiB", "node-b")
     assert not {d.uuid for d in first} & {d.uuid for d in other}
     for device in first:
         assert device.uuid.startswith("GPU-")
         assert str(uuidlib.UUID(device.uuid[4:])) == device.uuid[4:]
-    assert first[0].uuid == "GPU-" + str(uuidlib.uuid5(gpus.SIM_UUID_NAMESPACE, "node-a/0"))
+    assert first[0].uuid == "GPU-" + str(uuidlib.uuid5(simgpu.SIM_UUID_NAMESPACE, "node-a/0"))
 
 
 def test_open_source_choices() -> None:
     source = gpus.open_source("sim:1x8GiB", "node-a")
     assert source.kind == "sim"
-    assert source.devices() == gpus.parse_sim_spec("1x8GiB", "node-a")
+    assert source.devices() == simgpu.parse_sim_spec("1x8GiB", "node-a")
     source.close()
     for bad in ("", "gpu", "sim", "simulated:2x8GiB", "sim:2x"):
         with pytest.raises(ValueError):
@@ -102,7 +104,7 @@ def test_auto_falls_back_to_the_default_simulation_without_a_driver() -> None:
     _skip_if_driver()
     source = gpus.open_source("auto", "node-a")
     assert source.kind == "sim"
-    assert source.devices() == gpus.parse_sim_spec(defaults.SIM_SPEC, "node-a")
+    assert source.devices() == simgpu.parse_sim_spec(defaults.SIM_SPEC, "node-a")
     with pytest.raises(NvmlUnavailable, match="no NVIDIA driver"):
         gpus.open_source("nvml", "node-a")
 
@@ -113,7 +115,7 @@ def test_auto_falls_back_to_the_default_simulation_without_a_driver() -> None:
     (b"\xff\xfe", []), ("\u00b2".encode(), []),
 ])
 def test_parse_usage(data: bytes, expected: list[int]) -> None:
-    assert gpus.parse_usage(data) == expected
+    assert simgpu.parse_usage(data) == expected
 
 
 # --- simulated usage of real processes ------------------------------------------------------------
@@ -179,7 +181,7 @@ def _kill(process: subprocess.Popen) -> None:
 @pytest.fixture
 def devices() -> list[Device]:
     """Two GPUs whose uuids no other test or process on this host uses."""
-    return gpus.parse_sim_spec("2x24GiB", f"test-{uuidlib.uuid4()}")
+    return simgpu.parse_sim_spec("2x24GiB", f"test-{uuidlib.uuid4()}")
 
 
 @pytest.fixture
@@ -206,7 +208,7 @@ def _snapshot(source: SimSource) -> dict[int, list[GpuProcess]]:
 
 def test_usage_file_charges_the_visible_gpu(tmp_path, spawn, view, source, devices) -> None:
     use = _usage_file(tmp_path, "4096\n")
-    sleeper = spawn(["sleep", "30"], {gpus.SIM_USAGE_ENV: str(use), gpus.NVIDIA_VISIBLE_ENV: devices[1].uuid})
+    sleeper = spawn(["sleep", "30"], {simgpu.SIM_USAGE_ENV: str(use), simgpu.NVIDIA_VISIBLE_ENV: devices[1].uuid})
     view.add(sleeper.pid)
     assert _snapshot(source) == {0: [], 1: [GpuProcess(sleeper.pid, 4096)]}
     assert source.memory_used(devices[1].uuid) == 4096
@@ -215,7 +217,7 @@ def test_usage_file_charges_the_visible_gpu(tmp_path, spawn, view, source, devic
 
 def test_usage_follows_the_file(tmp_path, spawn, view, source, devices) -> None:
     use = _usage_file(tmp_path, "100")
-    sleeper = spawn(["sleep", "30"], {gpus.SIM_USAGE_ENV: str(use)})
+    sleeper = spawn(["sleep", "30"], {simgpu.SIM_USAGE_ENV: str(use)})
     view.add(sleeper.pid)
     assert source.memory_used(devices[0].uuid) == 100
     use.write_text(str(5 * GIB))
@@ -230,7 +232,7 @@ def test_usage_follows_the_file(tmp_path, spawn, view, source, devices) -> None:
 
 def test_exited_processes_vanish(tmp_path, spawn, view, source, devices) -> None:
     use = _usage_file(tmp_path)
-    sleeper = spawn(["sleep", "30"], {gpus.SIM_USAGE_ENV: str(use)})
+    sleeper = spawn(["sleep", "30"], {simgpu.SIM_USAGE_ENV: str(use)})
     view.add(sleeper.pid)
     assert source.memory_used(devices[0].uuid) == 4096
     sleeper.kill()
@@ -241,7 +243,7 @@ def test_exited_processes_vanish(tmp_path, spawn, view, source, devices) -> None
 
 def test_unreaped_process_uses_nothing(tmp_path, spawn, view, source, devices) -> None:
     use = _usage_file(tmp_path)
-    sleeper = spawn(["sleep", "30"], {gpus.SIM_USAGE_ENV: str(use)})
+    sleeper = spawn(["sleep", "30"], {simgpu.SIM_USAGE_ENV: str(use)})
     view.add(sleeper.pid)
     assert source.memory_used(devices[0].uuid) == 4096
     sleeper.kill()
@@ -252,7 +254,7 @@ def test_unreaped_process_uses_nothing(tmp_path, spawn, view, source, devices) -
 def test_shell_and_child_sharing_a_file_count_once(tmp_path, spawn, view, source, devices) -> None:
     use = tmp_path / "use"
     # The trailing ':' keeps the shell from exec'ing sleep, so two processes share the environment.
-    shell = spawn(["sh", "-c", f"echo 100 > {use}; sleep 30; :"], {gpus.SIM_USAGE_ENV: str(use)})
+    shell = spawn(["sh", "-c", f"echo 100 > {use}; sleep 30; :"], {simgpu.SIM_USAGE_ENV: str(use)})
     child = wait_for(lambda: use.exists() and _children(shell.pid), what="the shell's child")[0]
     view.add(shell.pid)
     assert sorted(int(p.name) for p in view.root.iterdir()) == [shell.pid, child]
@@ -285,7 +287,7 @@ VISIBILITY = {
 def test_which_gpu_a_process_sees(tmp_path, spawn, view, source, devices, case: str) -> None:
     template, index = VISIBILITY[case]
     env = {key: value.replace("{uuid1}", devices[1].uuid) for key, value in template.items()}
-    sleeper = spawn(["sleep", "30"], {gpus.SIM_USAGE_ENV: str(_usage_file(tmp_path, "777")), **env})
+    sleeper = spawn(["sleep", "30"], {simgpu.SIM_USAGE_ENV: str(_usage_file(tmp_path, "777")), **env})
     view.add(sleeper.pid)
     expected = {0: [], 1: []}
     if index is not None:
@@ -302,8 +304,8 @@ def test_which_gpu_a_process_sees(tmp_path, spawn, view, source, devices, case: 
     ("0,1", "0,9", {0: 0, 1: 9}),
 ])
 def test_one_number_per_visible_gpu(tmp_path, spawn, view, source, devices, visible, content, expected) -> None:
-    sleeper = spawn(["sleep", "30"], {gpus.SIM_USAGE_ENV: str(_usage_file(tmp_path, content)),
-                                      gpus.NVIDIA_VISIBLE_ENV: visible})
+    sleeper = spawn(["sleep", "30"], {simgpu.SIM_USAGE_ENV: str(_usage_file(tmp_path, content)),
+                                      simgpu.NVIDIA_VISIBLE_ENV: visible})
     view.add(sleeper.pid)
     assert {d.index: source.memory_used(d.uuid) for d in devices} == expected
     for device in devices:
@@ -313,7 +315,7 @@ def test_one_number_per_visible_gpu(tmp_path, spawn, view, source, devices, visi
 
 @pytest.mark.parametrize("content", ["lots", "", "12abc", "-3", "1,,2", "9" * 5000])
 def test_garbage_usage_file_counts_as_nothing(tmp_path, spawn, view, source, devices, content) -> None:
-    sleeper = spawn(["sleep", "30"], {gpus.SIM_USAGE_ENV: str(_usage_file(tmp_path, content))})
+    sleeper = spawn(["sleep", "30"], {simgpu.SIM_USAGE_ENV: str(_usage_file(tmp_path, content))})
     view.add(sleeper.pid)
     assert source.memory_used(devices[0].uuid) == 0
     assert source.processes(devices[0].uuid) == []
@@ -327,21 +329,21 @@ def test_unreadable_usage_file_counts_as_nothing_and_never_blocks(tmp_path, spaw
         path.mkdir()
     elif kind == "fifo":
         os.mkfifo(path)
-    sleeper = spawn(["sleep", "30"], {gpus.SIM_USAGE_ENV: str(path)})
+    sleeper = spawn(["sleep", "30"], {simgpu.SIM_USAGE_ENV: str(path)})
     view.add(sleeper.pid)
     assert source.memory_used(devices[0].uuid) == 0
 
 
 def test_relative_path_is_read_from_the_process_cwd(tmp_path, spawn, view, source, devices) -> None:
     (tmp_path / "use").write_text("55")
-    sleeper = spawn(["sleep", "30"], {gpus.SIM_USAGE_ENV: "use"}, cwd=tmp_path)
+    sleeper = spawn(["sleep", "30"], {simgpu.SIM_USAGE_ENV: "use"}, cwd=tmp_path)
     view.add(sleeper.pid)
     assert source.memory_used(devices[0].uuid) == 55
 
 
 def test_process_that_execs_into_a_simulated_one_is_noticed(tmp_path, spawn, view, source, devices) -> None:
     use = _usage_file(tmp_path, "321")
-    shell = spawn(["sh", "-c", f"read go; exec env {gpus.SIM_USAGE_ENV}={use} sleep 30"], {}, stdin=subprocess.PIPE)
+    shell = spawn(["sh", "-c", f"read go; exec env {simgpu.SIM_USAGE_ENV}={use} sleep 30"], {}, stdin=subprocess.PIPE)
     view.add(shell.pid)
     assert source.memory_used(devices[0].uuid) == 0
     shell.stdin.write(b"go\n")
@@ -353,7 +355,7 @@ def test_process_that_execs_into_a_simulated_one_is_noticed(tmp_path, spawn, vie
 def test_poll_rereads_known_processes_and_leaves_discovery_to_snapshots(tmp_path, spawn, view, source,
                                                                        devices) -> None:
     first_use = _usage_file(tmp_path, "100")
-    first = spawn(["sleep", "30"], {gpus.SIM_USAGE_ENV: str(first_use)})
+    first = spawn(["sleep", "30"], {simgpu.SIM_USAGE_ENV: str(first_use)})
     view.add(first.pid)
     assert source.memory_poll()[devices[0].uuid] == 0  # nothing snapshotted yet: the poll does not list proc
     source.process_snapshot()
@@ -366,7 +368,7 @@ def test_poll_rereads_known_processes_and_leaves_discovery_to_snapshots(tmp_path
     assert source.memory_poll()[devices[0].uuid] == 3 * GIB
     assert source.memory_snapshot()[devices[0].uuid] == 200
     assert source.memory_poll()[devices[0].uuid] == 200
-    second = spawn(["sleep", "30"], {gpus.SIM_USAGE_ENV: str(_usage_file(tmp_path, "5"))})
+    second = spawn(["sleep", "30"], {simgpu.SIM_USAGE_ENV: str(_usage_file(tmp_path, "5"))})
     view.add(second.pid)
     assert source.memory_poll()[devices[0].uuid] == 200
     assert source.memory_snapshot()[devices[0].uuid] == 205
@@ -378,7 +380,7 @@ def test_usage_files_are_closed_when_their_process_goes(tmp_path, spawn, view, s
         return sum(os.readlink(fd.path).startswith(str(tmp_path)) for fd in os.scandir("/proc/self/fd")
                    if fd.is_symlink())
 
-    sleepers = [spawn(["sleep", "30"], {gpus.SIM_USAGE_ENV: str(_usage_file(tmp_path, "10"))}) for _ in range(3)]
+    sleepers = [spawn(["sleep", "30"], {simgpu.SIM_USAGE_ENV: str(_usage_file(tmp_path, "10"))}) for _ in range(3)]
     for sleeper in sleepers:
         view.add(sleeper.pid)
     assert source.memory_used(devices[0].uuid) == 30
@@ -391,7 +393,7 @@ def test_usage_files_are_closed_when_their_process_goes(tmp_path, spawn, view, s
 
 
 def test_concurrent_callers_agree(tmp_path, spawn, view, source, devices) -> None:
-    sleepers = [spawn(["sleep", "30"], {gpus.SIM_USAGE_ENV: str(_usage_file(tmp_path, "10"))}) for _ in range(5)]
+    sleepers = [spawn(["sleep", "30"], {simgpu.SIM_USAGE_ENV: str(_usage_file(tmp_path, "10"))}) for _ in range(5)]
     for sleeper in sleepers:
         view.add(sleeper.pid)
     results: list[int] = []
@@ -418,7 +420,7 @@ def test_unknown_gpu_is_a_key_error(source: SimSource) -> None:
 def test_real_proc_sees_a_host_process(tmp_path, spawn, devices) -> None:
     sim = SimSource(devices)
     use = _usage_file(tmp_path, "2048")
-    sleeper = spawn(["sleep", "30"], {gpus.SIM_USAGE_ENV: str(use), gpus.CUDA_VISIBLE_ENV: devices[1].uuid})
+    sleeper = spawn(["sleep", "30"], {simgpu.SIM_USAGE_ENV: str(use), simgpu.CUDA_VISIBLE_ENV: devices[1].uuid})
     assert GpuProcess(sleeper.pid, 2048) in sim.processes(devices[1].uuid)
     assert sim.memory_used(devices[1].uuid) >= 2048
     sleeper.kill()
@@ -434,7 +436,7 @@ def test_container_usage_and_owner(docker_client, test_image, devices) -> None:
     # Written at the image root because a minimal image need not have /tmp.
     container = docker_client.containers.run(
         test_image, ["sh", "-c", "echo 12345 > /gpumgr-use; sleep 30"], detach=True, network_mode="none",
-        environment={gpus.SIM_USAGE_ENV: "/gpumgr-use", gpus.NVIDIA_VISIBLE_ENV: uuid})
+        environment={simgpu.SIM_USAGE_ENV: "/gpumgr-use", simgpu.NVIDIA_VISIBLE_ENV: uuid})
     try:
         found = wait_for(lambda: [p for p in sim.processes(uuid) if container.id in procmap.container_ids_of(p.pid)],
                          what="the container's usage")
@@ -523,7 +525,7 @@ def test_nvml_devices_usage_and_processes() -> None:
 
 def test_nvml_not_available_value_counts_as_zero() -> None:
     fake = FakeNvml()
-    fake.compute[0] = [_nvml_proc(10, gpus.NVML_VALUE_NOT_AVAILABLE)]
+    fake.compute[0] = [_nvml_proc(10, nvml.NVML_VALUE_NOT_AVAILABLE)]
     fake.mps[0] = []
     assert NvmlSource(fake).processes("GPU-real-0") == [GpuProcess(10, 0)]
 

@@ -6,9 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpumgr.manager.cluster import Cluster, PlacementSpec, State
+from gpumgr.manager.cluster import Cluster, PlacementSpec
 from gpumgr.manager.scheduler import FreeIndex, GpuSlot, Placement, Request, place
 from gpumgr.wire.errors import NoAgents, NoFit
+from gpumgr.wire.names import State
 from gpumgr.wire.protocol import ContainerReport, GpuInfo, GpuSample
 
 GiB = 1 << 30

@@ -10,12 +10,41 @@ AGENTS_ENDPOINT = "tcp://127.0.0.1:9401"
 HEARTBEAT_INTERVAL = 1.0
 HEARTBEAT_LIVENESS = 3
 NODE_DOWN_AFTER = HEARTBEAT_INTERVAL * HEARTBEAT_LIVENESS
+#: The link's owner thread wakes at least this often for its periodic work (timeouts, sweeps).
+LINK_TICK = HEARTBEAT_INTERVAL / 2
 
 #: How long the manager waits for an agent to create a container (image already local).
 CREATE_TIMEOUT = 60.0
-REMOVE_TIMEOUT = 30.0
-#: Seconds Docker gives a container between SIGTERM and SIGKILL on ``DELETE``.
-STOP_GRACE = 5
+#: Seconds a container gets between SIGTERM and SIGKILL, on ``DELETE`` and when the enforcer stops it.
+STOP_GRACE = 5.0
+#: How long the manager waits for an agent to stop and remove a container: the grace, and room to spare.
+REMOVE_TIMEOUT = STOP_GRACE * 6
+#: ``docker gpu`` waits this long for the manager's answer: longer than the manager waits for an agent.
+CLI_TIMEOUT = CREATE_TIMEOUT + 30.0
+
+#: The enforcer's cheap poll of per-process use, its full sample, and the samples over a grant before acting.
+POLL_INTERVAL = 0.1
+SAMPLE_INTERVAL = HEARTBEAT_INTERVAL
+OVERRUN_SAMPLES = 2
+#: Simulated GPUs: a new process's usage file is trusted after this settling time; every process
+#: is re-identified from /proc this often.
+SIM_SETTLE = 2 * SAMPLE_INTERVAL
+SIM_REIDENTIFY = 5 * SAMPLE_INTERVAL
+
+#: Threads the agent runs create/remove commands on, and the REST server's threads.
+AGENT_WORKERS = 8
+API_THREADS = 16
+
+#: How long the runtime hook's request may wait for the manager before the hook is told no, and the
+#: hook's own wait for the agent (longer, so the agent's answer, even a timeout, arrives).
+HOOK_TIMEOUT = 20.0
+HOOK_WAIT = HOOK_TIMEOUT + 5.0
+#: A task container that has not started this long after its grant gives the grant back.
+TASK_START_TIMEOUT = 2 * CREATE_TIMEOUT
+#: Delay before the agent re-opens a broken Docker event stream.
+EVENT_RETRY = 1.0
+#: Hook connections served at once; more are accepted and closed at once.
+HOOK_MAX_CONNECTIONS = 256
 
 #: Agent reconnect backoff: starts small, doubles, capped.
 RECONNECT_MIN = 0.1
@@ -23,6 +52,14 @@ RECONNECT_MAX = 5.0
 
 #: Bounds on what a peer may make us allocate; a message over them is a ProtocolError.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+#: Per-field bounds inside a frame: no string over 64 KiB, no list or map over this many items.
+MAX_FIELD_BYTES = 64 * 1024
+MAX_ITEMS = 16 * 1024
+#: The most GPUs one request may ask for.
+MAX_GPUS_PER_REQUEST = 64
+#: Simulated GPUs per spec, and the most a simulated usage file is read.
+MAX_SIM_DEVICES = 1024
+MAX_USAGE_FILE_BYTES = 4096
 MAX_CONTAINERS_PER_NODE = 4096
 
 #: How many events ``GET /v1/events`` keeps, oldest dropped first.

@@ -16,9 +16,8 @@ from gpumgr.wire import defaults
 from gpumgr.wire.errors import ProtocolError
 
 VERSION = 1
-#: Per-field bounds inside a frame: no string over 64 KiB, no list or map over this many items.
-MAX_FIELD = 64 * 1024
-MAX_ITEMS = 16 * 1024
+MAX_FIELD = defaults.MAX_FIELD_BYTES
+MAX_ITEMS = defaults.MAX_ITEMS
 #: On plain stream sockets (the runtime hook's) each frame is preceded by its length.
 FRAME_HEADER = struct.Struct(">I")
 

@@ -154,7 +154,7 @@ class Reserve(Message):
     TYPE: ClassVar[str] = "reserve"
     container_id: str = Field(min_length=1, max_length=128)
     gpu_memory: int = Field(gt=0)
-    gpus: int = Field(default=1, ge=1, le=64)
+    gpus: int = Field(default=1, ge=1, le=defaults.MAX_GPUS_PER_REQUEST)
     name: str = Field(default="", max_length=256)
     image: str = Field(default="", max_length=512)
     labels: dict[str, str] = Field(default_factory=dict)

@@ -1,0 +1,280 @@
+"""The Docker runtime: containers pinned to their granted GPUs, the grant written into their labels."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import docker
+import docker.errors
+from docker.types import DeviceRequest
+
+from gpumgr.agent import procmap
+from gpumgr.agent.runtime import (
+    ChangeCallback,
+    Managed,
+    Runtime,
+    grant_env,
+    grant_labels,
+    managed_from_labels,
+)
+from gpumgr.wire import defaults
+from gpumgr.wire.errors import RuntimeFailure
+from gpumgr.wire.names import Env, Label, State
+from gpumgr.wire.protocol import ContainerSpec, Reserve
+
+log = logging.getLogger(__name__)
+
+#: Processes whose cgroup is remembered at most; the cache starts over when it is full.
+CGROUP_CACHE_SIZE = 65536
+
+
+class DockerRuntime(Runtime):
+    """Containers in the local Docker engine, pinned by ``NVIDIA_VISIBLE_DEVICES`` and labelled with their grant."""
+
+    kind = "docker"
+
+    def __init__(self, on_change: ChangeCallback, *, node: str = "", network_mode: str | None = None,
+                 device_requests: bool = False, client: docker.DockerClient | None = None, mps: bool = False) -> None:
+        super().__init__(on_change, mps=mps)
+        self.node = node
+        self.client = client or docker.from_env()
+        self.network_mode = network_mode
+        self.device_requests = device_requests
+        self._by_id: dict[str, str] = {}
+        #: host pid → (start time, container ids from its cgroup); only the enforcer's thread uses it
+        self._cgroups: dict[int, tuple[int, list[str]]] = {}
+        self._stop = threading.Event()
+        self._events = None
+        self._adopt()
+        self._watcher = threading.Thread(target=self._watch, name="docker-events", daemon=True)
+        self._watcher.start()
+
+    def create(self, spec: ContainerSpec) -> Managed:
+        """Create, label and start the container; on any failure nothing is left behind."""
+        if not spec.image:
+            raise RuntimeFailure("an image is required on a node that runs Docker", code="invalid_request")
+        labels = {**spec.labels, **grant_labels(spec), Label.NODE: self.node}
+        requests = [DeviceRequest(driver="nvidia", device_ids=spec.gpus, capabilities=[["gpu"]])] \
+            if self.device_requests else None
+        try:
+            container = self.client.containers.create(
+                spec.image, spec.command or None, name=spec.name, environment=grant_env(spec, self.mps), labels=labels,
+                detach=True, network_mode=self.network_mode, device_requests=requests,
+            )
+        except docker.errors.ImageNotFound as exc:
+            raise RuntimeFailure(f"image {spec.image!r} is not on this node: {exc.explanation}") from exc
+        except docker.errors.APIError as exc:
+            raise RuntimeFailure(f"docker could not create the container: {exc.explanation}") from exc
+        managed = managed_from_labels(container.id, labels, spec.image, State.RUNNING)
+        self._track(managed)
+        try:
+            container.start()
+            container.reload()
+        except docker.errors.APIError as exc:
+            self._untrack(spec.grant)
+            _force_remove(container)
+            raise RuntimeFailure(f"docker could not start the container: {exc.explanation}") from exc
+        managed.pid = container.attrs["State"].get("Pid") or None
+        if not container.attrs["State"].get("Running"):
+            self._exited(managed, container.attrs["State"].get("ExitCode"))
+        return managed
+
+    def remove(self, grant: str, stop_grace: float = defaults.STOP_GRACE) -> None:
+        """Stop (SIGTERM, then SIGKILL after ``stop_grace``) and remove the container."""
+        managed = self._removing(grant)
+        try:
+            container = self.client.containers.get(managed.container_id)
+            container.stop(timeout=int(stop_grace))
+            container.remove(force=True)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as exc:
+            raise RuntimeFailure(f"docker could not remove the container: {exc.explanation}") from exc
+        self._untrack(grant)
+
+    def kill(self, grant: str, reason: str, detail: dict | None = None) -> None:
+        """SIGKILL the container; its exit is then reported as ``killed`` with ``reason``."""
+        managed = self._mark(grant, reason, detail)
+        try:
+            self.client.api.kill(managed.container_id)
+        except docker.errors.APIError as exc:
+            log.warning("could not kill %s: %s", managed.container_id[:12], exc)
+
+    def stop(self, grant: str, reason: str, detail: dict | None = None, grace: float = defaults.STOP_GRACE) -> None:
+        """Docker's stop (SIGTERM, SIGKILL after ``grace``) on a background thread."""
+        managed = self._mark(grant, reason, detail)
+
+        def stop() -> None:
+            try:
+                self.client.api.stop(managed.container_id, timeout=int(grace))
+            except docker.errors.APIError as exc:
+                log.warning("could not stop %s: %s", managed.container_id[:12], exc)
+
+        threading.Thread(target=stop, name=f"stop-{grant}", daemon=True).start()
+
+    def owner_of(self, pid: int, started: int | None = None) -> Managed | None:
+        """Map a host pid to its managed container through ``/proc/<pid>/cgroup``.
+
+        A process stays in its container's cgroup for life, so with ``started`` the container ids are
+        read once per process (pid + start time) rather than once per sample. The ids, not the
+        answer, are cached: a container the runtime starts tracking later is still found.
+        """
+        ids: list[str] | None = None
+        if started is not None:
+            cached = self._cgroups.get(pid)
+            if cached is not None and cached[0] == started:
+                ids = cached[1]
+        if ids is None:
+            ids = procmap.container_ids_of(pid)
+            if started is not None:
+                if len(self._cgroups) >= CGROUP_CACHE_SIZE:
+                    self._cgroups.clear()
+                self._cgroups[pid] = (started, ids)
+        with self._lock:
+            for cid in reversed(ids):
+                grant = self._by_id.get(cid)
+                if grant is not None:
+                    return self._table.get(grant)
+        return None
+
+    def close(self) -> None:
+        """Stop the Docker events watcher."""
+        self._stop.set()
+        if self._events is not None:
+            self._events.close()
+
+    # --- internals ---------------------------------------------------------------------------
+    def _track(self, managed: Managed) -> None:
+        with self._lock:
+            self._table[managed.grant] = managed
+            self._by_id[managed.container_id] = managed.grant
+
+    def _untrack(self, grant: str) -> Managed | None:
+        with self._lock:
+            managed = self._table.pop(grant, None)
+            if managed is not None:
+                self._by_id.pop(managed.container_id, None)
+            return managed
+
+    def track_task(self, container_id: str, grant: dict, request: Reserve) -> Managed:
+        """Manage a container that the runtime hook is creating for a Swarm task, under ``grant``.
+
+        It is ``creating`` until Docker reports it started. A repeated create of the same container
+        (``docker start`` of a stopped task) keeps the entry it has.
+        """
+        with self._lock:
+            existing = self._table.get(grant["grant"])
+            if existing is not None:
+                return existing
+        managed = Managed(grant=grant["grant"], container_id=container_id, name=request.name,
+                          gpus=list(grant["gpus"]), gpu_memory=int(grant["gpu_memory"]), image=request.image,
+                          labels=dict(request.labels),
+                          on_overrun=str(grant.get("on_overrun") or "kill"), created_at=time.time(),
+                          state=State.CREATING)
+        self._track(managed)
+        return managed
+
+    def expire_creating(self, older_than: float) -> None:
+        """Give up on task containers that never started: their grants go back to the manager."""
+        cutoff = time.time() - older_than
+        for managed in self.managed():
+            if managed.state == State.CREATING and managed.created_at < cutoff:
+                managed.reason = "never_started"
+                self._exited(managed, None)
+                self._untrack(managed.grant)
+
+    def _adopt(self) -> None:
+        for container in self.client.containers.list(filters={"label": Label.TASK}):
+            self._adopt_task(container)
+        mine = {"label": [Label.GRANT, f"{Label.NODE}={self.node}"]}
+        for container in self.client.containers.list(all=True, filters=mine):
+            state = container.attrs["State"]
+            running = bool(state.get("Running"))
+            managed = managed_from_labels(container.id, container.labels, container.attrs["Config"].get("Image", ""),
+                                           State.RUNNING if running else State.EXITED)
+            managed.exit_code = None if running else state.get("ExitCode")
+            managed.pid = state.get("Pid") or None
+            self._track(managed)
+            log.info("re-adopted %s container %s (grant %s)", managed.state, container.id[:12], managed.grant)
+
+    def _adopt_task(self, container: docker.models.containers.Container) -> None:
+        """Re-adopt a running task container: its grant lives in its main process's environment."""
+        pid = container.attrs["State"].get("Pid") or 0
+        env = _environ(pid)
+        if env.get(Env.NODE) != self.node or Env.GRANT not in env:
+            return
+        labels = {k: container.labels.get(k, "") for k in (Label.TASK, Label.SERVICE)}
+        managed = Managed(grant=env[Env.GRANT], container_id=container.id, name=container.name,
+                          gpus=env.get(Env.NVIDIA_VISIBLE_DEVICES, "").split(","),
+                          gpu_memory=int(env.get(Env.GPU_MEMORY, "1")),
+                          image=container.attrs["Config"].get("Image", ""), labels=labels, pid=pid,
+                          on_overrun=env.get(Env.ON_OVERRUN, "kill"), created_at=time.time())
+        self._track(managed)
+        log.info("re-adopted task container %s (grant %s)", container.id[:12], managed.grant)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._events = self.client.events(
+                    decode=True, since=int(time.time()) - 1,
+                    filters={"type": "container", "event": ["start", "die", "destroy"]},
+                )
+                for event in self._events:
+                    self._on_event(event)
+            except Exception as exc:  # the engine restarted or the stream broke: reconnect
+                if not self._stop.is_set():
+                    log.warning("docker events stream broke (%s); reconnecting", exc)
+            self._stop.wait(defaults.EVENT_RETRY)
+
+    def _on_event(self, event: dict) -> None:
+        cid = event.get("id") or event.get("Actor", {}).get("ID", "")
+        with self._lock:
+            grant = self._by_id.get(cid)
+            managed = self._table.get(grant) if grant else None
+        if managed is None:
+            return
+        action = event.get("Action")
+        if action == "start":
+            with self._lock:
+                started = managed.state == State.CREATING
+                if started:
+                    managed.state = State.RUNNING
+            if started:
+                self._on_change(managed)  # a Swarm task's grant is running now, not at the next heartbeat
+        elif action == "die":
+            code = event.get("Actor", {}).get("Attributes", {}).get("exitCode")
+            self._exited(managed, int(code) if code is not None and str(code).isdigit() else None)
+        elif action == "destroy":
+            if managed.state == State.CREATING:
+                managed.reason = "removed_before_start"
+                self._exited(managed, None)
+            self._untrack(managed.grant)
+
+
+def _force_remove(container: docker.models.containers.Container) -> None:
+    try:
+        container.remove(force=True)
+    except docker.errors.APIError as exc:
+        log.warning("could not clean up failed container %s: %s", container.id[:12], exc)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(procmap.root(), str(pid), "environ").read_bytes() if pid else b""
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def docker_answers() -> bool:
+    """Whether a Docker engine answers on the default socket (``DOCKER_HOST`` respected)."""
+    try:
+        client = docker.from_env(timeout=3)
+        client.ping()
+        client.close()
+        return True
+    except Exception:  # any failure means no usable engine
+        return False

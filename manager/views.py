@@ -1,0 +1,43 @@
+"""The REST API's views: records of the cluster model turned into the JSON shapes clients see.
+
+Kept apart from the model so that the model holds state and rules only; these functions read a
+record and build plain dicts, and callers decide whether they run under the model's lock.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpumgr.manager.cluster import Container, Gpu, Node
+
+
+def node_view(node: Node) -> dict[str, Any]:
+    """One node of ``GET /v1/nodes``: its state, when it was last heard from, and its GPUs."""
+    return {
+        "name": node.name, "state": "ready" if node.ready else "down", "last_seen": node.last_seen,
+        "runtime": node.runtime, "gpus": [gpu_view(g) for g in node.gpus],
+    }
+
+
+def gpu_view(gpu: Gpu) -> dict[str, Any]:
+    """One GPU's memory split: total, used, reserved by grants, unmanaged and schedulable free."""
+    return {
+        "uuid": gpu.uuid, "index": gpu.index, "name": gpu.name, "memory_total": gpu.total,
+        "memory_used": gpu.used, "memory_reserved": gpu.reserved, "memory_unmanaged": gpu.unmanaged,
+        "memory_free": gpu.free, "containers": sorted(gpu.holders),
+    }
+
+
+def container_view(record: Container, gpus: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A container record as the REST API shows it."""
+    gpus = gpus or {}
+    return {
+        "id": record.id, "name": record.name, "node": record.node,
+        "gpus": [gpus.get(u, {"uuid": u, "index": None, "name": None}) for u in record.gpus],
+        "gpu_memory": record.gpu_memory, "gpu_memory_used": sum(record.usage.values()),
+        "container_id": record.container_id, "state": str(record.state), "exit_code": record.exit_code,
+        "reason": record.reason, "created_at": record.created_at, "finished_at": record.finished_at,
+        "image": record.image, "command": record.command, "labels": record.labels,
+        "on_overrun": record.on_overrun, **({"detail": record.detail} if record.detail else {}),
+    }

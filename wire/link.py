@@ -1,0 +1,317 @@
+"""The agent link's socket-owner loop, written once and used by both ends.
+
+One thread owns one ZeroMQ socket (the manager's ROUTER, or an agent's DEALER). Other threads never
+touch it: they hand frames to the owner through a queue and wake it through an ``inproc`` socket.
+A request gets a :class:`concurrent.futures.Future` that the owner resolves when the reply with the
+matching ``reply_to`` arrives (or fails with :class:`~gpumgr.wire.errors.AgentTimeout` at its
+deadline). Every other incoming message goes to a handler called on the owner thread, which must be
+quick. Malformed frames are logged and dropped; the loop keeps serving whatever one message does.
+
+Security lives here too, in one place: the socket is configured by a :class:`~gpumgr.wire.security`
+object before it binds or connects, and every incoming frame carries the peer's proven identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import zmq
+
+from gpumgr.wire import defaults, protocol
+from gpumgr.wire.errors import AgentTimeout, ProtocolError
+
+log = logging.getLogger(__name__)
+
+_WAKE = b"w"
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who sent a frame: the ROUTER's routing id (empty on a DEALER) and the sender's proven key."""
+
+    routing_id: bytes
+    key: str = ""
+
+
+Handler = Callable[[Peer, protocol.Envelope, protocol.Message], None]
+Configure = Callable[[zmq.Socket[bytes]], None]
+
+
+@dataclass
+class _Pending:
+    future: Future[protocol.Reply]
+    peer: bytes
+    deadline: float
+    what: str
+
+
+@dataclass
+class LinkHooks:
+    """What the owner of a link does on its thread besides routing frames.
+
+    ``on_tick`` runs every loop and returns how many seconds may pass before it must run again
+    (None: the link's default tick). ``descriptors`` lists plain file descriptors to watch for input
+    as well, and ``on_ready`` gets those that were readable.
+    """
+
+    on_tick: Callable[[], float | None] | None = None
+    descriptors: Callable[[], set[int]] | None = None
+    on_ready: Callable[[set[int]], None] | None = None
+    on_stop: Callable[[], None] | None = None
+
+
+@dataclass
+class _Wake:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    socket: zmq.Socket[bytes] | None = None
+
+
+class Link:
+    """Own a ZeroMQ ROUTER (``bind=True``) or DEALER socket on ``endpoint``; see the module docstring."""
+
+    def __init__(self, kind: int, endpoint: str, handler: Handler, *, bind: bool, configure: Configure,
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None, tick: float = defaults.LINK_TICK,
+                 hooks: LinkHooks | None = None, name: str = "link") -> None:
+        self.kind = kind
+        self.endpoint = self.bound_endpoint = endpoint
+        self._bind = bind
+        self._configure = configure
+        self._handler = handler
+        self._tick = tick
+        self._hooks = hooks or LinkHooks()
+        self._ctx = context or zmq.Context.instance()
+        self._outbox: queue.SimpleQueue[tuple[bytes, bytes]] = queue.SimpleQueue()
+        self._pending: dict[str, _Pending] = {}
+        self._pending_lock = threading.Lock()
+        self._wake_addr = f"inproc://gpumgr-{name}-{id(self)}"
+        self._wake = _Wake()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._startup_error: Exception | None = None
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+
+    # --- any thread --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Open the socket on the owner thread; returns once it is bound or connecting (raises if it cannot be)."""
+        self._thread.start()
+        self._ready.wait(10)
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    def run(self) -> None:
+        """Serve on the calling thread until :meth:`stop` (it becomes the socket's owner)."""
+        self._thread = threading.current_thread()
+        self._serve()
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    def stop(self) -> None:
+        """Stop the owner thread and close the socket."""
+        self._stop.set()
+        self._poke()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(5)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` was called."""
+        return self._stop.is_set()
+
+    def send(self, peer: bytes, message: protocol.Message, *, reply_to: str | None = None) -> None:
+        """Queue ``message`` for ``peer`` (a routing id; ``b""`` on a DEALER); never blocks."""
+        self.send_frame(peer, protocol.encode(message, reply_to=reply_to))
+
+    def send_frame(self, peer: bytes, frame: bytes) -> None:
+        """Queue an already encoded frame for ``peer``; never blocks."""
+        self._outbox.put((peer, frame))
+        self._poke()
+
+    def request_async(self, peer: bytes, message: protocol.Message, timeout: float) -> Future[protocol.Reply]:
+        """Send ``message``; the future gets its reply, or AgentTimeout after ``timeout`` seconds."""
+        msg_id = protocol.new_id()
+        future: Future[protocol.Reply] = Future()
+        with self._pending_lock:
+            self._pending[msg_id] = _Pending(future, peer, time.monotonic() + timeout, message.TYPE)
+        self.send_frame(peer, protocol.encode(message, msg_id=msg_id))
+        return future
+
+    def request(self, peer: bytes, message: protocol.Message, timeout: float) -> protocol.Reply:
+        """Send ``message`` and wait up to ``timeout`` seconds for its reply; raises AgentTimeout."""
+        future = self.request_async(peer, message, timeout)
+        try:
+            return future.result(timeout + self._tick + 1)
+        except TimeoutError:
+            raise AgentTimeout(f"the peer did not answer {message.TYPE} within {timeout:g}s") from None
+
+    # --- owner thread ------------------------------------------------------------------------
+    def _serve(self) -> None:
+        try:
+            sock, pull = self._open()
+        except (zmq.ZMQError, OSError) as exc:
+            self._startup_error = OSError(f"cannot open the agent link on {self.endpoint}: {exc}")
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop(sock, pull)
+        finally:
+            if self._hooks.on_stop is not None:
+                self._hooks.on_stop()
+            sock.close(linger=0)
+            pull.close(linger=0)
+            self._close_wake()
+
+    def _loop(self, sock: zmq.Socket[bytes], pull: zmq.Socket[bytes]) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        watched: set[int] = set()
+        wait = 0.0
+        while not self._stop.is_set():
+            if self._hooks.descriptors is not None:
+                watched = _watch(poller, watched, self._hooks.descriptors())
+            events = dict(poller.poll(max(0, int(wait * 1000)) + 1))
+            if pull in events:
+                while pull.poll(0):
+                    pull.recv()
+            if sock in events:
+                self._drain(sock)
+            ready = {fd for fd in events if isinstance(fd, int)}
+            if ready and self._hooks.on_ready is not None:
+                self._hooks.on_ready(ready)
+            wait = self._run_tick()
+            self._expire()
+            self._flush(sock)
+
+    def _run_tick(self) -> float:
+        if self._hooks.on_tick is None:
+            return self._tick
+        try:
+            wanted = self._hooks.on_tick()
+        except Exception:  # one failing tick must never stop the link
+            log.exception("the link's periodic work failed; it runs again next tick")
+            return self._tick
+        return self._tick if wanted is None else min(self._tick, max(0.0, wanted))
+
+    def _open(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        sock = self._ctx.socket(self.kind)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, defaults.MAX_MESSAGE_BYTES)
+            self._configure(sock)
+            if self._bind:
+                self._bind_socket(sock)
+            else:
+                sock.connect(self.endpoint)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        pull = self._ctx.socket(zmq.PULL)
+        pull.bind(self._wake_addr)
+        return sock, pull
+
+    def _bind_socket(self, sock: zmq.Socket[bytes]) -> None:
+        base, _, port = self.endpoint.rpartition(":")
+        if port in ("0", "*"):
+            self.bound_endpoint = f"{base}:{sock.bind_to_random_port(base)}"
+        else:
+            sock.bind(self.endpoint)
+
+    def _poke(self) -> None:
+        with self._wake.lock:
+            if self._stop.is_set() and self._wake.socket is None:
+                return
+            if self._wake.socket is None:
+                self._wake.socket = self._ctx.socket(zmq.PUSH)
+                self._wake.socket.setsockopt(zmq.LINGER, 0)
+                self._wake.socket.connect(self._wake_addr)
+            with contextlib.suppress(zmq.Again):  # the owner already has wake-ups queued
+                self._wake.socket.send(_WAKE, zmq.NOBLOCK)
+
+    def _close_wake(self) -> None:
+        with self._wake.lock:
+            if self._wake.socket is not None:
+                self._wake.socket.close(linger=0)
+                self._wake.socket = None
+
+    def _flush(self, sock: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                peer, frame = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            parts = [peer, frame] if self.kind == zmq.ROUTER else [frame]
+            try:
+                sock.send_multipart(parts, zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                log.debug("cannot reach peer %r now (%s); one message dropped", peer, exc)
+
+    def _drain(self, sock: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._dispatch(parts)
+
+    def _dispatch(self, parts: list[zmq.Frame]) -> None:
+        routed = self.kind == zmq.ROUTER
+        if len(parts) != (2 if routed else 1):
+            log.warning("dropped a message of %d parts on the link (expected one frame)", len(parts) - routed)
+            return
+        peer = Peer(parts[0].bytes if routed else b"", _key_of(parts[-1]))
+        try:
+            envelope, message = protocol.decode(parts[-1].bytes)
+        except ProtocolError as exc:
+            log.warning("dropped a malformed message from %r: %s", peer.routing_id, exc)
+            return
+        if isinstance(message, protocol.Reply) and self._resolve(peer, envelope, message):
+            return
+        try:
+            self._handler(peer, envelope, message)
+        except Exception:  # one bad message must never stop the link
+            log.exception("handling %s from %r failed", envelope.type, peer.routing_id)
+
+    def _resolve(self, peer: Peer, envelope: protocol.Envelope, reply: protocol.Reply) -> bool:
+        """Hand ``reply`` to the request waiting for it; False if none is (the handler then sees it)."""
+        with self._pending_lock:
+            pending = self._pending.get(envelope.reply_to or "")
+            if pending is None or (self.kind == zmq.ROUTER and pending.peer != peer.routing_id):
+                return False
+            del self._pending[envelope.reply_to or ""]
+        if not pending.future.done():
+            pending.future.set_result(reply)
+        return True
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._pending_lock:
+            late = [k for k, p in self._pending.items() if p.deadline <= now]
+            expired = [self._pending.pop(k) for k in late]
+        for pending in expired:
+            if not pending.future.done():
+                pending.future.set_exception(AgentTimeout(f"the peer did not answer {pending.what} in time"))
+
+
+def _key_of(frame: zmq.Frame) -> str:
+    """The peer's proven identity (its CURVE public key, as the ZAP handler named it), or ``""``."""
+    try:
+        return str(frame.get("User-Id"))
+    except (zmq.ZMQError, UnicodeDecodeError):
+        return ""
+
+
+def _watch(poller: zmq.Poller, watched: set[int], wanted: set[int]) -> set[int]:
+    """Make ``poller`` watch exactly the plain descriptors in ``wanted`` for input; returns ``wanted``."""
+    for fd in watched - wanted:
+        poller.unregister(fd)
+    for fd in wanted - watched:
+        poller.register(fd, zmq.POLLIN)
+    return wanted

@@ -1,0 +1,89 @@
+"""Names that cross process boundaries, defined once: container labels, environment variables, states, events.
+
+The manager, the agent, the runtime hook and the ``docker gpu`` plugin are separate processes that
+agree on these strings; a typo in one of them would silently break the agreement, so every use goes
+through the enums below. They are ``StrEnum``s: each member *is* its string on the wire, in JSON and
+in Docker's labels.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+#: Every label gpumgr writes starts with this; users may not set labels under it.
+LABEL_PREFIX = "gpumgr."
+
+
+class Label(StrEnum):
+    """Container labels (and OCI annotations) that carry a grant where the container cannot change it."""
+
+    GRANT = "gpumgr.grant"
+    NODE = "gpumgr.node"
+    GPU = "gpumgr.gpu"
+    MEMORY = "gpumgr.memory"
+    NAME = "gpumgr.name"
+    COMMAND = "gpumgr.command"
+    ON_OVERRUN = "gpumgr.on_overrun"
+    CREATED_AT = "gpumgr.created_at"
+    USER_LABELS = "gpumgr.user_labels"
+    TASK = "gpumgr.task"
+    SERVICE = "gpumgr.service"
+    SLOT = "gpumgr.slot"
+
+
+class Env(StrEnum):
+    """Environment variables gpumgr sets in containers or reads from them and from its own processes."""
+
+    # set in a managed container: what it was granted (informative; never read back as its grant)
+    GRANT = "GPUMGR_GRANT"
+    GPU_MEMORY = "GPUMGR_GPU_MEMORY"
+    NODE = "GPUMGR_NODE"
+    ON_OVERRUN = "GPUMGR_ON_OVERRUN"
+    NVIDIA_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+    CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+    # a simulated GPU process declares its use through the file this names
+    SIM_USAGE_FILE = "GPUMGR_SIM_USAGE_FILE"
+    # set by `docker gpu` on a Swarm task: what the runtime hook asks the agent for
+    REQUEST_MEMORY = "GPUMGR_REQUEST_MEMORY"
+    REQUEST_GPUS = "GPUMGR_REQUEST_GPUS"
+    REQUEST_ON_OVERRUN = "GPUMGR_REQUEST_ON_OVERRUN"
+    TASK = "GPUMGR_TASK"
+    TASK_NAME = "GPUMGR_TASK_NAME"
+    SERVICE = "GPUMGR_SERVICE"
+    SLOT = "GPUMGR_SLOT"
+    # read by gpumgr's own processes
+    TOKEN = "GPUMGR_TOKEN"
+    MANAGER = "GPUMGR_MANAGER"
+    RUNC = "GPUMGR_RUNC"
+    HOOK_SOCKET = "GPUMGR_HOOK_SOCKET"
+    RUNTIME_CONFIG = "GPUMGR_RUNTIME_CONFIG"
+
+
+class State(StrEnum):
+    """A container's life, as the manager records it and the agent reports it."""
+
+    CREATING = "creating"
+    RUNNING = "running"
+    EXITED = "exited"
+    KILLED = "killed"
+    FAILED = "failed"
+    REMOVED = "removed"
+
+
+#: States that hold a grant.
+LIVE = frozenset({State.CREATING, State.RUNNING})
+
+
+class EventType(StrEnum):
+    """Kinds of events in ``GET /v1/events``, as clients see them."""
+
+    PLACED = "placed"
+    STARTED = "started"
+    EXITED = "exited"
+    KILLED = "killed"
+    OVERRUN = "overrun"
+    REMOVED = "removed"
+    FAILED = "failed"
+    ADOPTED = "adopted"
+    NODE_UP = "node_up"
+    NODE_DOWN = "node_down"
