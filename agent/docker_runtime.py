@@ -6,10 +6,12 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import docker
 import docker.errors
-from docker.types import DeviceRequest
+from docker.models.containers import Container
+from docker.types import CancellableStream, DeviceRequest
 
 from gpumgr.agent import procmap
 from gpumgr.agent.runtime import (
@@ -47,7 +49,7 @@ class DockerRuntime(Runtime):
         #: host pid → (start time, container ids from its cgroup); only the enforcer's thread uses it
         self._cgroups: dict[int, tuple[int, list[str]]] = {}
         self._stop = threading.Event()
-        self._events = None
+        self._events: CancellableStream[dict[str, Any]] | None = None
         self._adopt()
         self._watcher = threading.Thread(target=self._watch, name="docker-events", daemon=True)
         self._watcher.start()
@@ -68,7 +70,7 @@ class DockerRuntime(Runtime):
             raise RuntimeFailure(f"image {spec.image!r} is not on this node: {exc.explanation}") from exc
         except docker.errors.APIError as exc:
             raise RuntimeFailure(f"docker could not create the container: {exc.explanation}") from exc
-        managed = managed_from_labels(container.id, labels, spec.image, State.RUNNING)
+        managed = managed_from_labels(_id(container), labels, spec.image, State.RUNNING)
         self._track(managed)
         try:
             container.start()
@@ -95,7 +97,7 @@ class DockerRuntime(Runtime):
             raise RuntimeFailure(f"docker could not remove the container: {exc.explanation}") from exc
         self._untrack(grant)
 
-    def kill(self, grant: str, reason: str, detail: dict | None = None) -> None:
+    def kill(self, grant: str, reason: str, detail: dict[str, Any] | None = None) -> None:
         """SIGKILL the container; its exit is then reported as ``killed`` with ``reason``."""
         managed = self._mark(grant, reason, detail)
         try:
@@ -103,7 +105,8 @@ class DockerRuntime(Runtime):
         except docker.errors.APIError as exc:
             log.warning("could not kill %s: %s", managed.container_id[:12], exc)
 
-    def stop(self, grant: str, reason: str, detail: dict | None = None, grace: float = defaults.STOP_GRACE) -> None:
+    def stop(self, grant: str, reason: str, detail: dict[str, Any] | None = None,
+             grace: float = defaults.STOP_GRACE) -> None:
         """Docker's stop (SIGTERM, SIGKILL after ``grace``) on a background thread."""
         managed = self._mark(grant, reason, detail)
 
@@ -159,7 +162,7 @@ class DockerRuntime(Runtime):
                 self._by_id.pop(managed.container_id, None)
             return managed
 
-    def track_task(self, container_id: str, grant: dict, request: Reserve) -> Managed:
+    def track_task(self, container_id: str, grant: dict[str, Any], request: Reserve) -> Managed:
         """Manage a container that the runtime hook is creating for a Swarm task, under ``grant``.
 
         It is ``creating`` until Docker reports it started. A repeated create of the same container
@@ -189,31 +192,31 @@ class DockerRuntime(Runtime):
     def _adopt(self) -> None:
         for container in self.client.containers.list(filters={"label": Label.TASK}):
             self._adopt_task(container)
-        mine = {"label": [Label.GRANT, f"{Label.NODE}={self.node}"]}
+        mine: dict[str, str | list[str] | bool] = {"label": [Label.GRANT, f"{Label.NODE}={self.node}"]}
         for container in self.client.containers.list(all=True, filters=mine):
             state = container.attrs["State"]
             running = bool(state.get("Running"))
-            managed = managed_from_labels(container.id, container.labels, container.attrs["Config"].get("Image", ""),
+            managed = managed_from_labels(_id(container), container.labels, container.attrs["Config"].get("Image", ""),
                                            State.RUNNING if running else State.EXITED)
             managed.exit_code = None if running else state.get("ExitCode")
             managed.pid = state.get("Pid") or None
             self._track(managed)
-            log.info("re-adopted %s container %s (grant %s)", managed.state, container.id[:12], managed.grant)
+            log.info("re-adopted %s container %s (grant %s)", managed.state, container.short_id, managed.grant)
 
-    def _adopt_task(self, container: docker.models.containers.Container) -> None:
+    def _adopt_task(self, container: Container) -> None:
         """Re-adopt a running task container: its grant lives in its main process's environment."""
         pid = container.attrs["State"].get("Pid") or 0
         env = _environ(pid)
         if env.get(Env.NODE) != self.node or Env.GRANT not in env:
             return
-        labels = {k: container.labels.get(k, "") for k in (Label.TASK, Label.SERVICE)}
-        managed = Managed(grant=env[Env.GRANT], container_id=container.id, name=container.name,
+        labels: dict[str, str] = {k: container.labels.get(k, "") for k in (Label.TASK, Label.SERVICE)}
+        managed = Managed(grant=env[Env.GRANT], container_id=_id(container), name=container.name or "",
                           gpus=env.get(Env.NVIDIA_VISIBLE_DEVICES, "").split(","),
                           gpu_memory=int(env.get(Env.GPU_MEMORY, "1")),
                           image=container.attrs["Config"].get("Image", ""), labels=labels, pid=pid,
                           on_overrun=env.get(Env.ON_OVERRUN, "kill"), created_at=time.time())
         self._track(managed)
-        log.info("re-adopted task container %s (grant %s)", container.id[:12], managed.grant)
+        log.info("re-adopted task container %s (grant %s)", container.short_id, managed.grant)
 
     def _watch(self) -> None:
         while not self._stop.is_set():
@@ -229,7 +232,7 @@ class DockerRuntime(Runtime):
                     log.warning("docker events stream broke (%s); reconnecting", exc)
             self._stop.wait(defaults.EVENT_RETRY)
 
-    def _on_event(self, event: dict) -> None:
+    def _on_event(self, event: dict[str, Any]) -> None:
         cid = event.get("id") or event.get("Actor", {}).get("ID", "")
         with self._lock:
             grant = self._by_id.get(cid)
@@ -254,11 +257,17 @@ class DockerRuntime(Runtime):
             self._untrack(managed.grant)
 
 
-def _force_remove(container: docker.models.containers.Container) -> None:
+def _force_remove(container: Container) -> None:
     try:
         container.remove(force=True)
     except docker.errors.APIError as exc:
-        log.warning("could not clean up failed container %s: %s", container.id[:12], exc)
+        log.warning("could not clean up failed container %s: %s", container.short_id, exc)
+
+
+def _id(container: Container) -> str:
+    """The container's id: always there on one the engine returned (the stubs allow None for any model)."""
+    assert container.id is not None
+    return container.id
 
 
 def _environ(pid: int) -> dict[str, str]:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import threading
 from pathlib import Path
+from typing import Any
 
 from gpumgr.agent import procmap
 from gpumgr.agent.runtime import (
@@ -36,7 +37,7 @@ class ProcessRuntime(Runtime):
     def __init__(self, on_change: ChangeCallback, *, log_dir: str = "/tmp/gpumgr/logs", mps: bool = False) -> None:
         super().__init__(on_change, mps=mps)
         self.log_dir = Path(log_dir)
-        self._procs: dict[str, subprocess.Popen] = {}
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def create(self, spec: ContainerSpec) -> Managed:
         """Start the command in a new session (its own process group) with the grant's environment."""
@@ -74,17 +75,22 @@ class ProcessRuntime(Runtime):
             self._table.pop(grant, None)
             self._procs.pop(grant, None)
 
-    def kill(self, grant: str, reason: str, detail: dict | None = None) -> None:
+    def kill(self, grant: str, reason: str, detail: dict[str, Any] | None = None) -> None:
         """SIGKILL the whole process group; its exit is reported as ``killed`` with ``reason``."""
         managed = self._mark(grant, reason, detail)
         _signal_group(managed.pid, signal.SIGKILL)
 
-    def stop(self, grant: str, reason: str, detail: dict | None = None, grace: float = defaults.STOP_GRACE) -> None:
+    def stop(self, grant: str, reason: str, detail: dict[str, Any] | None = None,
+             grace: float = defaults.STOP_GRACE) -> None:
         """SIGTERM the group now and SIGKILL it after ``grace`` if it is still there."""
         managed = self._mark(grant, reason, detail)
         _signal_group(managed.pid, signal.SIGTERM)
-        timer = threading.Timer(grace, lambda: managed.state == State.RUNNING
-                                and _signal_group(managed.pid, signal.SIGKILL))
+
+        def kill_if_running() -> None:
+            if managed.state == State.RUNNING:
+                _signal_group(managed.pid, signal.SIGKILL)
+
+        timer = threading.Timer(grace, kill_if_running)
         timer.daemon = True
         timer.start()
 
@@ -99,7 +105,7 @@ class ProcessRuntime(Runtime):
                     return managed
         return None
 
-    def _wait(self, managed: Managed, proc: subprocess.Popen) -> None:
+    def _wait(self, managed: Managed, proc: subprocess.Popen[bytes]) -> None:
         code = proc.wait()
         self._exited(managed, 128 - code if code < 0 else code)
 

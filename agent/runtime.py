@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import NotFound
@@ -39,7 +40,7 @@ class Managed:
     exit_code: int | None = None
     reason: str | None = None
     pid: int | None = None
-    detail: dict = field(default_factory=dict)
+    detail: dict[str, Any] = field(default_factory=dict)
 
     def report(self, usage: dict[str, int] | None = None) -> ContainerReport:
         """This container as the wire protocol carries it."""
@@ -115,11 +116,12 @@ class Runtime:
         """Stop and remove the container holding ``grant``; raises NotFound."""
         raise NotImplementedError
 
-    def kill(self, grant: str, reason: str, detail: dict | None = None) -> None:
+    def kill(self, grant: str, reason: str, detail: dict[str, Any] | None = None) -> None:
         """Kill the container holding ``grant`` at once and remember why."""
         raise NotImplementedError
 
-    def stop(self, grant: str, reason: str, detail: dict | None = None, grace: float = defaults.STOP_GRACE) -> None:
+    def stop(self, grant: str, reason: str, detail: dict[str, Any] | None = None,
+             grace: float = defaults.STOP_GRACE) -> None:
         """SIGTERM the container holding ``grant``, SIGKILL it after ``grace``, without blocking the caller."""
         raise NotImplementedError
 
@@ -131,7 +133,7 @@ class Runtime:
                 managed.state = "removing"
         return managed
 
-    def _mark(self, grant: str, reason: str, detail: dict | None) -> Managed:
+    def _mark(self, grant: str, reason: str, detail: dict[str, Any] | None) -> Managed:
         managed = self.get(grant)
         with self._lock:
             managed.reason = reason

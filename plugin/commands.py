@@ -7,7 +7,7 @@ import argparse
 from gpumgr.plugin import install
 
 
-def add_plugin_commands(sub: argparse._SubParsersAction) -> None:
+def add_plugin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``gpumgr plugin install`` on the ``gpumgr`` parser."""
     plugin = sub.add_parser("plugin", help="set up the docker gpu CLI plugin and the Swarm runtime hook")
     actions = plugin.add_subparsers(required=True, metavar="ACTION")

@@ -15,6 +15,7 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +150,7 @@ def service_ps(client: Manager, argv: list[str]) -> int:
                                                                         params={"service": name})["containers"]}
     rows = [("TASK", "NODE", "STATE", "GPU", "GRANT", "USED", "NOTE")]
     for task in tasks:
-        record = grants.get(task["ID"])
+        record: Any = grants.get(task["ID"])  # a record from the manager's JSON, or None
         live = record and record["state"] in LIVE
         gpu = ",".join(str(g.get("index")) for g in record["gpus"]) if live else "-"
         note = "" if live else (task.get("Error") or (f"grant {record['state']}" if record else ""))
@@ -274,7 +275,7 @@ def _docker_json(args: list[str]) -> list[dict[str, Any]]:
     return [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
 
 
-def _print_table(rows: list[tuple[str, ...]]) -> None:
+def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())

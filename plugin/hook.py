@@ -79,7 +79,7 @@ def split_command(argv: list[str]) -> tuple[str | None, int, str | None]:
     return None, len(argv), log_file
 
 
-def prepare(args: list[str], config: dict) -> None:
+def prepare(args: list[str], config: dict[str, Any]) -> None:
     """For ``create ARGS``: if the bundle asks for GPU memory, get a grant and write it into the bundle."""
     bundle, container_id = _create_target(args)
     spec_path = Path(bundle) / "config.json"
@@ -97,7 +97,7 @@ def prepare(args: list[str], config: dict) -> None:
     _write_atomically(spec_path, json.dumps(spec))
 
 
-def ask_agent(request: dict[str, Any], socket_path: str, wait: float = WAIT_SECONDS) -> dict:
+def ask_agent(request: dict[str, Any], socket_path: str, wait: float = WAIT_SECONDS) -> dict[str, Any]:
     """Send a ``reserve`` body to the agent on ``socket_path`` and return the grant; raise Refused with its reason.
 
     A plain Unix stream socket and the msgpack envelope, each message preceded by its length
@@ -139,7 +139,7 @@ def _receive(sock: Any, size: int) -> bytes:
     return bytes(data)
 
 
-def _grant_from(reply: Any, msg_id: str) -> dict:
+def _grant_from(reply: Any, msg_id: str) -> dict[str, Any]:
     body = reply.get("body") if isinstance(reply, dict) else None
     if not isinstance(body, dict) or reply.get("type") != "reply" or reply.get("reply_to") != msg_id:
         raise Refused("gpumgr: the agent sent something that is not an answer to this request")
@@ -152,7 +152,7 @@ def _grant_from(reply: Any, msg_id: str) -> dict:
     return result
 
 
-def real_runtime(config: dict) -> str:
+def real_runtime(config: dict[str, Any]) -> str:
     """The runtime to hand over to: configured, else the NVIDIA runtime if installed, else runc."""
     configured = os.environ.get(Env.RUNC) or config.get("runtime")
     if configured:
@@ -212,13 +212,14 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _socket_path(config: dict) -> str:
+def _socket_path(config: dict[str, Any]) -> str:
     return os.environ.get(Env.HOOK_SOCKET) or config.get("hook_socket") or DEFAULT_SOCKET
 
 
-def _config() -> dict:
+def _config() -> dict[str, Any]:
     try:
-        return json.loads(Path(os.environ.get(Env.RUNTIME_CONFIG, CONFIG)).read_text())
+        config: dict[str, Any] = json.loads(Path(os.environ.get(Env.RUNTIME_CONFIG, CONFIG)).read_text())
+        return config
     except (OSError, ValueError):
         return {}
 

@@ -17,6 +17,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from gpumgr.plugin.docker_gpu import METADATA
 from gpumgr.plugin.hook import CONFIG as RUNTIME_CONFIG
@@ -202,7 +203,7 @@ def _register_runtime(daemon_json: Path, hook: Path, default: bool) -> bool:
     return True
 
 
-def _write_json(path: Path, data: dict) -> None:
+def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
 

@@ -29,7 +29,7 @@ def load_settings(cls: type[S], path: str | None = None, **overrides: Any) -> S:
     if path is None:
         return cls(**_given(overrides))
     config = SettingsConfigDict(**{**cls.model_config, "yaml_file": path})
-    configured = type(cls.__name__, (cls,), {"model_config": config})
+    configured: type[S] = type(cls.__name__, (cls,), {"model_config": config})
     return configured(**_given(overrides))
 
 

@@ -29,8 +29,8 @@ def new_id() -> str:
 
 def pack(kind: str, body: dict[str, Any], *, msg_id: str | None = None, reply_to: str | None = None) -> bytes:
     """One frame; raises ProtocolError if it would be over the size bound."""
-    frame = msgpack.packb({"v": VERSION, "type": kind, "id": msg_id or new_id(), "reply_to": reply_to, "body": body},
-                          use_bin_type=True)
+    header = {"v": VERSION, "type": kind, "id": msg_id or new_id(), "reply_to": reply_to, "body": body}
+    frame: bytes = msgpack.packb(header, use_bin_type=True)
     if len(frame) > defaults.MAX_MESSAGE_BYTES:
         raise ProtocolError(f"{kind} message of {len(frame)} bytes is over the {defaults.MAX_MESSAGE_BYTES} bound")
     return frame
