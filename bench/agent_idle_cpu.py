@@ -2,7 +2,7 @@
 
 Starts a ``gpumgr manager`` and one ``gpumgr agent`` (``--gpus``, default ``sim:8x24GiB``, Docker
 runtime, network mode ``none``, default enforcement and heartbeat settings) as child processes on
-free loopback ports, then measures two windows of ``--window`` seconds (default 60):
+free loopback ports (``bench.harness.stack``), then measures two windows of ``--window`` seconds (default 60):
 
   A  the agent with no container
   B  the agent with ``--containers`` (default 32) running containers, each granted 2 GiB and using a
@@ -29,35 +29,20 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import docker
-import docker.errors
+from bench import harness
+from bench.harness import TICK, GiB, Stack, cpu_seconds, interval_env, machine, machine_line, stack, table
 
-from bench.common import IMAGE, RUN_LABEL, TICK, USAGE, agent_env, cpu_seconds, interrupt, machine, remove_run
-from tests.procs import AgentProc, ManagerProc
-
-GiB = 1 << 30
-MiB = 1 << 20
 SLICE = 10.0
-
-
-
-
-
-
 
 
 def threads(pid: int) -> dict[int, float]:
@@ -173,23 +158,8 @@ def measure(window: float, agent_pid: int, manager_pid: int, alive=lambda: True,
     }
 
 
-def create_containers(manager: ManagerProc, count: int, labels: dict, rng: random.Random) -> dict[str, int]:
-    """``count`` containers of 2 GiB each using 10..90% of it; returns id → usage."""
-    expected = {}
-    for _ in range(count):
-        use = rng.randrange(2 * GiB // 10, 2 * GiB * 9 // 10)
-        body = {"image": IMAGE, "gpu_memory": "2GiB", "env": {"GPUMGR_SIM_USAGE_FILE": USAGE}, "labels": labels,
-                "command": ["sh", "-c", f"echo {use} > {USAGE}; exec sleep 3600"]}
-        reply = manager.post("/v1/containers", json=body)
-        if reply.status_code != 201:
-            raise RuntimeError(f"POST /v1/containers answered {reply.status_code}: {reply.text}")
-        expected[reply.json()["id"]] = use
-    return expected
-
-
-def running_set(manager: ManagerProc, count: int, labels: dict, rng: random.Random,
-                timeout: float = 120.0) -> tuple[dict[str, int], int]:
-    """``count`` running containers whose usage the manager shows, replacing any that someone else removed.
+def running_set(s: Stack, count: int, rng: random.Random, timeout: float = 120.0) -> tuple[dict[str, int], int]:
+    """``count`` running containers of 2 GiB using 10..90% of it, whose usage the manager shows.
 
     Returns id → usage and how many had to be replaced (other processes on this host may remove every
     ``gpumgr.grant`` container, e.g. the test suite's cleanup).
@@ -198,13 +168,14 @@ def running_set(manager: ManagerProc, count: int, labels: dict, rng: random.Rand
     replaced = 0
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        records = {r["id"]: r for r in manager.get("/v1/containers").json()["containers"]}
+        records = {r["id"]: r for r in s.api.get("/v1/containers").json()["containers"]}
         dead = [cid for cid in expected if records.get(cid, {}).get("state") != "running"]
         for cid in dead:
             del expected[cid]
         replaced += len(dead)
         if len(expected) < count:
-            expected.update(create_containers(manager, count - len(expected), labels, rng))
+            for use in (rng.randrange(2 * GiB // 10, 2 * GiB * 9 // 10) for _ in range(count - len(expected))):
+                expected[s.create_using("2GiB", use)["id"]] = use
             continue
         if all(records[cid]["gpu_memory_used"] == use for cid, use in expected.items()):
             return expected, replaced
@@ -275,9 +246,9 @@ def breakdown(node: str, gpus: str, poll: float = 0.1, sample: float = 1.0, roun
         import threading
 
         from gpumgr.agent import procmap
+        from gpumgr.agent.docker_runtime import DockerRuntime
         from gpumgr.agent.enforcer import Enforcer
         from gpumgr.agent.gpus import open_source
-        from gpumgr.agent.runtime import DockerRuntime
         from gpumgr.wire import protocol
 
         source = open_source(gpus, seed=node)
@@ -350,10 +321,42 @@ def breakdown(node: str, gpus: str, poll: float = 0.1, sample: float = 1.0, roun
             "estimate_pct": sum(p["pct_of_core"] for p in pieces_out if not p["part"])}
 
 
+def run(args: argparse.Namespace, out: dict) -> None:
+    """Start the stack, measure window A (no container) and window B (``--containers``), then profile and time."""
+    with stack(name="enf-idle", gpus=args.gpus, agent_env=interval_env(args), keep_logs=True) as s:
+        apid, mpid = s.agents[0].pid, s.manager.pid
+        if not args.skip_empty:
+            time.sleep(args.settle)
+            print(f"window A: agent with 0 containers, {args.window:.0f} s ...", file=sys.stderr, flush=True)
+            out["windows"]["empty"] = measure(args.window, apid, mpid)
+        rng = random.Random(args.seed)
+        box: dict = {}
 
+        def refill() -> None:
+            print(f"getting {args.containers} containers running ...", file=sys.stderr, flush=True)
+            expected, replaced = running_set(s, args.containers, rng)
+            if replaced:
+                out["problems"].append(f"{replaced} container(s) removed by another process; replaced")
+            box["pids"] = [s.pid(r["container_id"]) for r in s.api.get("/v1/containers").json()["containers"]
+                           if r["id"] in expected]
+            time.sleep(args.settle)
 
+        def alive() -> bool:
+            return all(os.path.exists(f"/proc/{pid}") for pid in box["pids"])
 
-
+        refill()
+        print(f"window B: agent with {args.containers} containers, {args.window:.0f} s ...", file=sys.stderr,
+              flush=True)
+        loaded = out["windows"]["loaded"] = measure(args.window, apid, mpid, alive, refill)
+        if loaded["slices_dropped"]:
+            out["problems"].append(f"{loaded['slices_dropped']} slice(s) of {SLICE:.0f} s dropped: a container "
+                                   "was removed by another process during them")
+        if args.profile == "always" or (args.profile == "auto" and loaded["agent_pct"] > args.target):
+            print(f"profiling the agent with py-spy for {args.profile_seconds} s ...", file=sys.stderr, flush=True)
+            out["prof"] = profile(apid, args.profile_seconds, s.tmp)
+        if not args.no_breakdown:
+            print("timing the agent's periodic work in this process ...", file=sys.stderr, flush=True)
+            out["parts"] = breakdown(s.nodes[0], args.gpus, args.poll_interval or 0.1, args.sample_interval or 1.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -361,10 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=60.0, help="seconds measured per configuration")
     parser.add_argument("--containers", type=int, default=32, help="running containers in window B")
     parser.add_argument("--gpus", default="sim:8x24GiB", help="the agent's --gpus")
-    parser.add_argument("--poll-interval", type=float,
-                        help="set the agent's GPUMGR_POLL_INTERVAL (default: leave the agent's default, 0.1 s)")
-    parser.add_argument("--sample-interval", type=float,
-                        help="set the agent's GPUMGR_SAMPLE_INTERVAL (default: leave the agent's default, 1.0 s)")
+    harness.interval_options(parser)
     parser.add_argument("--settle", type=float, default=10.0, help="seconds of rest before each window")
     parser.add_argument("--skip-empty", action="store_true", help="leave out window A (no container)")
     parser.add_argument("--profile", choices=("auto", "always", "never"), default="auto",
@@ -376,82 +376,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, interrupt)
 
-    client = docker.from_env(timeout=60)
-    client.images.get(IMAGE)  # fail early without the test image
-    run_id = uuid.uuid4().hex[:12]
     info = machine(clk_tck=TICK)
-    tmp = Path(tempfile.mkdtemp(prefix="gpumgr-enf-idle-"))
-    windows: dict[str, dict] = {}
-    prof: dict | None = None
-    parts: dict | None = None
-    problems: list[str] = []
-    manager = agent = None
+    out: dict = {"windows": {}, "prof": None, "parts": None, "problems": []}
     try:
-        manager = ManagerProc(tmp)
-        node = f"enf-idle-{run_id[:6]}"
-        agent = AgentProc(tmp, manager, node, gpus=args.gpus, runtime="docker",
-                          env=agent_env(args))
-        apid, mpid = agent.popen.pid, manager.popen.pid
-        if not args.skip_empty:
-            time.sleep(args.settle)
-            print(f"window A: agent with 0 containers, {args.window:.0f} s ...", file=sys.stderr, flush=True)
-            windows["empty"] = measure(args.window, apid, mpid)
-        rng = random.Random(args.seed)
-        labels = {RUN_LABEL: run_id}
-        box: dict = {}
-
-        def refill() -> None:
-            print(f"getting {args.containers} containers running ...", file=sys.stderr, flush=True)
-            expected, replaced = running_set(manager, args.containers, labels, rng)
-            if replaced:
-                problems.append(f"{replaced} container(s) removed by another process; replaced")
-            box["expected"] = expected
-            box["pids"] = [client.api.inspect_container(r["container_id"])["State"]["Pid"]
-                           for r in manager.get("/v1/containers").json()["containers"] if r["id"] in expected]
-            time.sleep(args.settle)
-
-        def alive() -> bool:
-            return all(os.path.exists(f"/proc/{pid}") for pid in box["pids"])
-
-        refill()
-        print(f"window B: agent with {args.containers} containers, {args.window:.0f} s ...", file=sys.stderr,
-              flush=True)
-        windows["loaded"] = measure(args.window, apid, mpid, alive, refill)
-        if windows["loaded"]["slices_dropped"]:
-            problems.append(f"{windows['loaded']['slices_dropped']} slice(s) of {SLICE:.0f} s dropped: a container "
-                            "was removed by another process during them")
-        if args.profile == "always" or (args.profile == "auto" and windows["loaded"]["agent_pct"] > args.target):
-            print(f"profiling the agent with py-spy for {args.profile_seconds} s ...", file=sys.stderr, flush=True)
-            prof = profile(apid, args.profile_seconds, tmp)
-        if not args.no_breakdown:
-            print("timing the agent's periodic work in this process ...", file=sys.stderr, flush=True)
-            parts = breakdown(node, args.gpus, args.poll_interval or 0.1, args.sample_interval or 1.0)
+        run(args, out)
     except KeyboardInterrupt:
-        problems.append("interrupted")
-    finally:
-        removed = remove_run(client, run_id)
-        for proc in (agent, manager):
-            if proc is not None:
-                proc.stop()
-        left = client.containers.list(all=True, filters={"label": f"{RUN_LABEL}={run_id}"})
-        print(f"removed {removed} container(s); {len(left)} remain; logs in {tmp}", file=sys.stderr)
+        out["problems"].append("interrupted")
+    windows, prof, parts, problems = out["windows"], out["prof"], out["parts"], out["problems"]
 
-    settings = ", ".join(f"{k}={v}" for k, v in agent_env(args).items()) or "default settings"
-    print(f"\nagent idle CPU: agent {args.gpus}, {settings}; {args.window:.0f} s windows; "
-          f"machine {info['nproc']} x {info['cpu_model']}; commit {info['commit']}")
-    print("agent %core: utime+stime from /proc/<pid>/stat (tick-sampled); sched: sum of the threads' schedstat "
-          "run time (exact)")
-    print(f"{'window':16} {'agent %core':>11} {'sched':>6} {'10 s slices':>12} {'manager %core':>13} {'sched':>6} "
-          f"{'docker+ctrd':>11} {'machine busy%':>13} {'pids':>5} {'forks/s':>7}")
-    for name, w in windows.items():
-        label = "0 containers" if name == "empty" else f"{args.containers} containers"
-        sl = w["agent_slices_pct"]
-        engines = sum(w["engine_pct"].values())
-        print(f"{label:16} {w['agent_pct']:11.2f} {w['agent_sched_pct']:6.2f} {f'{min(sl):.1f}..{max(sl):.1f}':>12} "
-              f"{w['manager_pct']:13.2f} {w['manager_sched_pct']:6.2f} {engines:11.2f} "
-              f"{w['machine_busy_pct_of_all_cpus']:13.1f} {w['host_processes']:5} {w['host_forks_per_s']:7.1f}")
+    settings = ", ".join(f"{k}={v}" for k, v in interval_env(args).items()) or "default settings"
+    table([("window", "16"), ("agent %core", "11.2f"), ("sched", "6.2f"), ("10 s slices", ">12"),
+           ("manager %core", "13.2f"), ("sched", "6.2f"), ("docker+ctrd", "11.2f"), ("machine busy%", "13.1f"),
+           ("pids", "5"), ("forks/s", "7.1f")],
+          [["0 containers" if name == "empty" else f"{args.containers} containers", w["agent_pct"],
+            w["agent_sched_pct"], f"{min(w['agent_slices_pct']):.1f}..{max(w['agent_slices_pct']):.1f}",
+            w["manager_pct"], w["manager_sched_pct"], sum(w["engine_pct"].values()),
+            w["machine_busy_pct_of_all_cpus"], w["host_processes"], w["host_forks_per_s"]]
+           for name, w in windows.items()],
+          lead=f"\nagent idle CPU: agent {args.gpus}, {settings}; {args.window:.0f} s windows; {machine_line(info)}\n"
+               "agent %core: utime+stime from /proc/<pid>/stat (tick-sampled); sched: sum of the threads' schedstat "
+               "run time (exact)\n")
     for name, w in windows.items():
         top = ", ".join(f"{t['tid']}: {t['pct']:.2f}" for t in w["agent_threads_pct"][:4])
         print(f"  agent threads ({name}, {w['agent_thread_count']} threads), % of one core: {top}")
@@ -488,11 +433,8 @@ def main(argv: list[str] | None = None) -> int:
             print("  hottest inclusive frames, samples:")
             for frame, n in prof["total"][:25]:
                 print(f"    {n:6}  {100 * n / max(1, prof['busy_samples']):5.1f}%  {frame}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"benchmark": "agent_idle_cpu", "machine": info, "args": vars(args),
-                                               "windows": windows, "profile": prof, "breakdown": parts,
-                                               "problems": problems,
-                                               "verdict": verdict}, indent=2))
+    harness.save(args.json, "agent_idle_cpu", args, machine=info, windows=windows, profile=prof, breakdown=parts,
+                 problems=problems, verdict=verdict)
     return 0 if verdict == "PASS" else 1
 
 

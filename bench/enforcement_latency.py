@@ -2,7 +2,7 @@
 
 Starts a ``gpumgr manager`` and one ``gpumgr agent`` (``--gpus``, default ``sim:8x24GiB``, Docker
 runtime, network mode ``none``, every enforcement setting at its default) as child processes on free
-loopback ports, then runs ``--trials`` sequential trials, reusing that manager and agent:
+loopback ports (``bench.harness.stack``), then runs ``--trials`` sequential trials, reusing that manager and agent:
 
   1. (untimed) POST /v1/containers {grant 1 GiB, GPUMGR_SIM_USAGE_FILE=/tmp/use, 0.5 GiB written};
      wait until the manager shows 0.5 GiB used (so the agent has seen the process and its usage),
@@ -28,43 +28,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import random
-import signal
 import sys
-import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import docker
 import docker.errors
 
-from bench.common import IMAGE, RUN_LABEL, USAGE, agent_env, interrupt, machine, pct, remove_run, write_usage
-from tests.procs import AgentProc, ManagerProc
-
-GiB = 1 << 30
-MiB = 1 << 20
-
-
-
-
-
-
-
-
+from bench import harness
+from bench.harness import GiB, Stack, interval_env, machine, machine_line, stack, summary, table, wait_for, write_usage
 
 
 class DieEvents:
     """One Docker events stream for this run's containers; remembers each container's ``die`` time."""
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, labels: dict[str, str]) -> None:
         self._client = docker.from_env(timeout=60)
         self._stream = self._client.events(decode=True, filters={
-            "type": "container", "event": ["die"], "label": [f"{RUN_LABEL}={run_id}"]})
+            "type": "container", "event": ["die"], "label": [f"{k}={v}" for k, v in labels.items()]})
         self._died: dict[str, float] = {}
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._read, name="die-events", daemon=True)
@@ -95,24 +81,15 @@ class DieEvents:
         self._client.close()
 
 
-def create(manager: ManagerProc, labels: dict, grant: int | str, use: int, placement: str | None = None) -> dict:
-    body = {"image": IMAGE, "gpu_memory": grant, "env": {"GPUMGR_SIM_USAGE_FILE": USAGE}, "labels": labels,
-            "on_overrun": "kill", "command": ["sh", "-c", f"echo {use} > {USAGE}; exec sleep 3600"]}
-    if placement:
-        body["placement"] = placement
-    reply = manager.post("/v1/containers", json=body)
-    if reply.status_code != 201 or reply.json()["state"] != "running":
-        raise RuntimeError(f"POST /v1/containers answered {reply.status_code}: {reply.text}")
-    return reply.json()
+def create(s: Stack, grant: int | str, use: int, placement: str | None = None) -> dict[str, Any]:
+    """A container granted ``grant`` using ``use``, killed on overrun; with ``placement`` if given."""
+    return s.create_using(grant, use, on_overrun="kill", **({"placement": placement} if placement else {}))
 
 
-def wait_usage(manager: ManagerProc, cid: str, value: int, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if manager.get(f"/v1/containers/{cid}").json()["gpu_memory_used"] == value:
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"the manager never showed {value} bytes used by {cid}")
+def wait_usage(s: Stack, cid: str, value: int, timeout: float = 15.0) -> None:
+    """Until the manager shows ``value`` bytes used by container ``cid``."""
+    wait_for(lambda: s.api.get(f"/v1/containers/{cid}").json()["gpu_memory_used"] == value, timeout,
+             what=f"the manager to show {value} bytes used by {cid}")
 
 
 class Masker:
@@ -120,11 +97,11 @@ class Masker:
 
     GRANT, USE = 8 * GiB, 7 * GiB
 
-    def __init__(self, manager: ManagerProc, client: docker.DockerClient, labels: dict) -> None:
-        record = create(manager, labels, self.GRANT, self.USE, placement="binpack")
-        wait_usage(manager, record["id"], self.USE)
+    def __init__(self, s: Stack) -> None:
+        record = create(s, self.GRANT, self.USE, placement="binpack")
+        wait_usage(s, record["id"], self.USE)
         self.gpu = record["gpus"][0]["uuid"]
-        self.pid = client.api.inspect_container(record["container_id"])["State"]["Pid"]
+        self.pid = s.pid(record["container_id"])
 
     def drop(self, by: int) -> None:
         write_usage(self.pid, self.USE - by)
@@ -133,15 +110,15 @@ class Masker:
         write_usage(self.pid, self.USE)
 
 
-def trial(manager: ManagerProc, client: docker.DockerClient, events: DieEvents, labels: dict,
-          phase: float, rng: random.Random, last_event: list[int], masker: Masker | None = None) -> dict:
+def trial(s: Stack, events: DieEvents, phase: float, rng: random.Random, last_event: list[int],
+          masker: Masker | None = None) -> dict[str, Any]:
     """One timed kill; returns its timings (seconds after t0) or raises."""
-    record = create(manager, labels, "1GiB", GiB // 2, placement="binpack" if masker else None)
+    record = create(s, "1GiB", GiB // 2, placement="binpack" if masker else None)
     if masker is not None and record["gpus"][0]["uuid"] != masker.gpu:
-        manager.delete(f"/v1/containers/{record['id']}")
+        s.api.delete(f"/v1/containers/{record['id']}")
         raise RuntimeError("the trial container did not land on the masker's GPU")
-    wait_usage(manager, record["id"], GiB // 2)
-    pid = client.api.inspect_container(record["container_id"])["State"]["Pid"]
+    wait_usage(s, record["id"], GiB // 2)
+    pid = s.pid(record["container_id"])
     time.sleep(rng.uniform(0, phase))
 
     t0 = time.time()
@@ -153,12 +130,22 @@ def trial(manager: ManagerProc, client: docker.DockerClient, events: DieEvents, 
         masker.restore()
 
     result = {"id": record["id"], "gpu": record["gpus"][0]["index"], "die_s": None if died is None else died - t0}
+    result.update(manager_view(s, record["id"], died, t0, last_event))
+    gone = s.api.delete(f"/v1/containers/{record['id']}")
+    if gone.status_code != 200:
+        with contextlib.suppress(docker.errors.APIError):
+            s.docker.api.remove_container(record["container_id"], force=True)
+    return result
+
+
+def manager_view(s: Stack, cid: str, died: float | None, t0: float, last_event: list[int]) -> dict[str, Any]:
+    """What the manager recorded of the kill: its state, when the agent decided, when it marked it killed."""
     # The manager learns of the kill twice (the container's exit, the enforcer's overrun report), in either
     # order; wait for both so that detail.overrun is there.
     deadline = time.monotonic() + 10
     state: dict = {}
     while time.monotonic() < deadline:
-        state = manager.get(f"/v1/containers/{record['id']}").json()
+        state = s.api.get(f"/v1/containers/{cid}").json()
         if state["state"] not in ("running", "creating") and "overrun" in state.get("detail", {}):
             break
         if state["state"] == "exited" and died is not None and time.monotonic() > deadline - 8:
@@ -166,36 +153,70 @@ def trial(manager: ManagerProc, client: docker.DockerClient, events: DieEvents, 
         time.sleep(0.02)
     detail = state.get("detail", {})
     overrun = detail.get("overrun") or detail
-    result["state"] = state.get("state")
-    result["reason"] = state.get("reason")
-    result["observed"] = overrun.get("observed")
-    result["decided_s"] = overrun["at"] - t0 if "at" in overrun else None
-    mine = [e for e in manager.get("/v1/events", params={"since": last_event[0]}).json()["events"]
-            if e["container"] == record["id"]]
+    every = s.events(last_event[0])
+    mine = [e for e in every if e["container"] == cid]
     killed = [e for e in mine if e["type"] == "killed"]
-    result["manager_killed_s"] = killed[0]["time"] - t0 if killed else None
-    result["events"] = [e["type"] for e in mine]
-    result["overrun_events"] = sum(1 for e in mine if e["type"] == "overrun")
-    every = manager.get("/v1/events", params={"since": last_event[0]}).json()["events"]
     if every:
         last_event[0] = every[-1]["id"]
-
-    gone = manager.delete(f"/v1/containers/{record['id']}")
-    if gone.status_code != 200:
-        with contextlib.suppress(docker.errors.APIError):
-            client.api.remove_container(record["container_id"], force=True)
-    return result
+    return {"state": state.get("state"), "reason": state.get("reason"), "observed": overrun.get("observed"),
+            "decided_s": overrun["at"] - t0 if "at" in overrun else None,
+            "manager_killed_s": killed[0]["time"] - t0 if killed else None, "events": [e["type"] for e in mine],
+            "overrun_events": sum(1 for e in mine if e["type"] == "overrun")}
 
 
+def ms(v: float | None) -> str:
+    return "   -   " if v is None else f"{v * 1000:7.1f}"
 
 
+def run(args: argparse.Namespace, out: dict[str, list]) -> None:
+    """Start the stack and run the trials into ``out`` (results, failures, interfered, spurious)."""
+    rng = random.Random(args.seed)
+    started = time.monotonic()
+    with stack(name="enf-lat", gpus=args.gpus, agent_env=interval_env(args), keep_logs=True) as s:
+        events = DieEvents(s.labels)
+        try:
+            for _ in range(args.neighbours):
+                grant = rng.choice((1, 2, 4)) * GiB
+                wait_usage(s, create(s, grant, grant // 2)["id"], grant // 2)
+            masker = Masker(s) if args.mask else None
+            last_event, attempt = [0], 0
+            while len(out["results"]) < args.trials and attempt < args.warmup + args.trials + args.max_retries:
+                if time.monotonic() - started > args.max_seconds:
+                    out["failures"].append(f"stopped after {args.max_seconds}s with {len(out['results'])} trials")
+                    break
+                attempt += 1
+                one(args, out, attempt, lambda: trial(s, events, args.phase, rng, last_event, masker))
+        finally:
+            events.close()
 
 
-
-
-def summary(values: list[float]) -> dict:
-    return {"n": len(values), "min": min(values), "p50": pct(values, 0.5), "p90": pct(values, 0.9),
-            "p99": pct(values, 0.99), "max": max(values), "mean": sum(values) / len(values)}
+def one(args: argparse.Namespace, out: dict[str, list], attempt: int, run_trial: Any) -> None:
+    """Run attempt ``attempt`` and file its result: a timed trial, a warm-up, a failure or a spoiled trial."""
+    warm = attempt <= args.warmup
+    try:
+        res = run_trial()
+    except Exception as exc:  # e.g. the container was removed by someone else before the write
+        out["interfered"].append(f"attempt {attempt}: {exc}")
+        print(f"  attempt {attempt}: FAILED {exc}", file=sys.stderr)
+        return
+    if res["die_s"] is None:
+        out["failures"].append(f"attempt {attempt}: not killed within 20 s: {res}")
+    elif res["state"] != "killed" or res["reason"] != "gpu_memory_exceeded":
+        out["interfered"].append(f"attempt {attempt}: died {res['die_s']:.3f}s after t0 as "
+                                 f"{res['state']}/{res['reason']}, not by the enforcer")
+        print(f"  attempt {attempt}: container died without the enforcer ({res['state']}); retrying",
+              file=sys.stderr)
+        return
+    if res["overrun_events"] and not warm:
+        out["spurious"].append(res["id"])
+    if warm:
+        label = "warmup"
+    else:
+        out["results"].append(res)
+        label = f"{len(out['results']):3}/{args.trials}"
+    print(f"  {label}: decided {ms(res['decided_s'])} ms  die {ms(res['die_s'])} ms  "
+          f"manager killed {ms(res['manager_killed_s'])} ms  events {','.join(res['events'])}",
+          file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,10 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=50, help="timed kills (at least 50 for the report)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed kills first")
     parser.add_argument("--gpus", default="sim:8x24GiB", help="the agent's --gpus")
-    parser.add_argument("--poll-interval", type=float,
-                        help="set the agent's GPUMGR_POLL_INTERVAL (default: leave the agent's default, 0.1 s)")
-    parser.add_argument("--sample-interval", type=float,
-                        help="set the agent's GPUMGR_SAMPLE_INTERVAL (default: leave the agent's default, 1.0 s)")
+    harness.interval_options(parser)
     parser.add_argument("--neighbours", type=int, default=0, help="long-lived containers under grant beside the trials")
     parser.add_argument("--mask", action="store_true",
                         help="a neighbour on the trial's GPU frees exactly what the trial grows by, at the same time")
@@ -218,79 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, interrupt)
 
-    client = docker.from_env(timeout=60)
-    client.images.get(IMAGE)  # fail early without the test image
-    run_id = uuid.uuid4().hex[:12]
-    labels = {RUN_LABEL: run_id}
-    rng = random.Random(args.seed)
-    results: list[dict] = []
-    failures: list[str] = []
-    interfered: list[str] = []
-    spurious: list[str] = []
-    started = time.monotonic()
     info = machine()
-    tmp = Path(tempfile.mkdtemp(prefix="gpumgr-enf-latency-"))
-    manager = agent = events = None
+    out: dict[str, list] = {"results": [], "failures": [], "interfered": [], "spurious": []}
     try:
-        manager = ManagerProc(tmp)
-        agent = AgentProc(tmp, manager, f"enf-lat-{run_id[:6]}", gpus=args.gpus, runtime="docker",
-                          env=agent_env(args))
-        events = DieEvents(run_id)
-        for _ in range(args.neighbours):
-            grant = rng.choice((1, 2, 4)) * GiB
-            record = create(manager, labels, grant, grant // 2)
-            wait_usage(manager, record["id"], grant // 2)
-        masker = Masker(manager, client, labels) if args.mask else None
-        last_event = [0]
-        attempt = 0
-        while len(results) < args.trials and attempt < args.warmup + args.trials + args.max_retries:
-            if time.monotonic() - started > args.max_seconds:
-                failures.append(f"stopped after {args.max_seconds}s with {len(results)} trials")
-                break
-            attempt += 1
-            warm = attempt <= args.warmup
-            try:
-                res = trial(manager, client, events, labels, args.phase, rng, last_event, masker)
-            except Exception as exc:  # e.g. the container was removed by someone else before the write
-                interfered.append(f"attempt {attempt}: {exc}")
-                print(f"  attempt {attempt}: FAILED {exc}", file=sys.stderr)
-                continue
-            if res["die_s"] is None:
-                failures.append(f"attempt {attempt}: not killed within 20 s: {res}")
-            elif res["state"] != "killed" or res["reason"] != "gpu_memory_exceeded":
-                interfered.append(f"attempt {attempt}: died {res['die_s']:.3f}s after t0 as "
-                                  f"{res['state']}/{res['reason']}, not by the enforcer")
-                print(f"  attempt {attempt}: container died without the enforcer ({res['state']}); retrying",
-                      file=sys.stderr)
-                continue
-            if res["overrun_events"] and not warm:
-                spurious.append(res["id"])
-            if warm:
-                label = "warmup"
-            else:
-                results.append(res)
-                label = f"{len(results):3}/{args.trials}"
-
-            def ms(v):
-                return "   -   " if v is None else f"{v * 1000:7.1f}"
-
-            print(f"  {label}: decided {ms(res['decided_s'])} ms  die {ms(res['die_s'])} ms  "
-                  f"manager killed {ms(res['manager_killed_s'])} ms  events {','.join(res['events'])}",
-                  file=sys.stderr, flush=True)
+        run(args, out)
     except KeyboardInterrupt:
-        failures.append("interrupted")
-    finally:
-        if events is not None:
-            events.close()
-        removed = remove_run(client, run_id)
-        for proc in (agent, manager):
-            if proc is not None:
-                proc.stop()
-        left = client.containers.list(all=True, filters={"label": f"{RUN_LABEL}={run_id}"})
-        print(f"removed {removed} leftover container(s); {len(left)} remain; logs in {tmp}", file=sys.stderr)
-
+        out["failures"].append("interrupted")
+    results, failures, interfered, spurious = out["results"], out["failures"], out["interfered"], out["spurious"]
     timed = [r for r in results if r["die_s"] is not None]
     if not timed:
         print("no trial completed", file=sys.stderr)
@@ -307,14 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     if kill_step:
         stats["kill_step_s"] = {"label": "docker kill -> die (die - at)", **summary(kill_step)}
 
-    settings = ", ".join(f"{k}={v}" for k, v in agent_env(args).items()) or "default enforcement settings"
-    print(f"\nenforcement latency: {len(timed)} trials, agent {args.gpus}, {args.neighbours} neighbours, "
-          f"{'growth masked by a neighbour, ' if args.mask else ''}"
-          f"{settings}; machine {info['nproc']} x {info['cpu_model']}; commit {info['commit']}")
-    print(f"{'metric':38} {'n':>4} {'min':>8} {'p50':>8} {'p90':>8} {'p99':>8} {'max':>8}  (ms)")
-    for s in stats.values():
-        cells = " ".join(f"{s[k] * 1000:8.1f}" for k in ("min", "p50", "p90", "p99", "max"))
-        print(f"{s['label']:38} {s['n']:4} {cells}")
+    settings = ", ".join(f"{k}={v}" for k, v in interval_env(args).items()) or "default enforcement settings"
+    cells = ("min", "p50", "p90", "p99", "max")
+    table([("metric", "38"), ("n", "4"), *((c, "8.1f") for c in cells)],
+          [[s["label"], s["n"], *(s[c] * 1000 for c in cells)] for s in stats.values()], note="  (ms)",
+          lead=f"\nenforcement latency: {len(timed)} trials, agent {args.gpus}, {args.neighbours} neighbours, "
+               f"{'growth masked by a neighbour, ' if args.mask else ''}{settings}; {machine_line(info)}\n")
     p99 = stats["die_s"]["p99"]
     verdict = "PASS" if p99 <= args.target and not failures else "MISS"
     print(f"\ntarget p99(die) <= {args.target:.2f} s: {verdict} (p99 {p99:.3f} s, max {stats['die_s']['max']:.3f} s)")
@@ -324,11 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in interfered:
         print("  " + line)
     print(f"kills that also produced an 'overrun' event ('reported only'): {len(spurious)} of {len(timed)}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "benchmark": "enforcement_latency", "machine": info, "args": vars(args), "stats": stats,
-            "trials": results, "failures": failures,
-            "interfered": interfered, "spurious_overrun_events": spurious, "verdict": verdict}, indent=2))
+    harness.save(args.json, "enforcement_latency", args, machine=info, stats=stats, trials=results, failures=failures,
+                 interfered=interfered, spurious_overrun_events=spurious, verdict=verdict)
     return 0 if verdict == "PASS" else 1
 
 

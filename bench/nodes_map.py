@@ -1,7 +1,7 @@
 """``GET /v1/nodes`` throughput with ``--nodes`` fake nodes of ``--gpus`` GPUs registered.
 
 Starts a ``gpumgr manager`` child process (16 waitress threads, its default) on free loopback
-ports, registers the nodes over real DEALER sockets speaking the agent protocol
+ports (``bench.harness.stack``), registers the nodes over real DEALER sockets speaking the agent protocol
 (``tests/fake_agent.py``), keeps them heartbeating every ``--beat`` seconds from one thread (the
 manager also gets ``GPUMGR_HEARTBEAT_LIVENESS=100000`` so a starved heartbeat thread cannot take a
 node down mid-run), and measures requests/s with ``wrk`` (or a threaded Python client when wrk is
@@ -17,25 +17,22 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import json
-import platform
 import re
 import shutil
-import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import requests
 import zmq
 
+from bench.harness import Proc, Stack, answers, free_port, median, save, stack, table, wait_for
 from tests.fake_agent import FakeAgent
-from tests.procs import ManagerProc, free_port, wait_for
 
 HERE = Path(__file__).resolve().parent
 UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
@@ -108,6 +105,62 @@ def run_python_client(url: str, threads: int, connections: int, duration: float)
             "requests": len(flat), "non_2xx": sum(bad), "socket_errors": None}
 
 
+def hello_server(s: Stack, threads: int, json_bytes: int) -> tuple[Proc, str]:
+    """``bench/hello_waitress.py`` on a free port, answering; returns it and its URL."""
+    port = free_port()
+    hello = Proc([sys.executable, str(HERE / "hello_waitress.py"), "--port", str(port), "--threads", str(threads),
+                  "--json-bytes", str(json_bytes)], s.tmp / "hello.log")
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: answers(url), 20, what="the hello server")
+    return hello, url
+
+
+def measure(args: argparse.Namespace, load: Any) -> tuple[dict[str, list[dict]], int, int]:
+    """Register the fake nodes, then load every target in turn; (runs per target, body bytes, nodes ready)."""
+    env = {"GPUMGR_HEARTBEAT_LIVENESS": "100000", "GPUMGR_THREADS": str(args.server_threads),
+           "GPUMGR_LOG_LEVEL": "WARNING"}
+    results: dict[str, list[dict]] = {}
+    with stack(agents=0, name="bench-nodes", manager_env=env) as s:
+        token = {"token": s.join_token} if s.join_token else {}  # a secured link (gpumgr.wire.security)
+        agents = [FakeAgent(s.endpoint, node=f"node-{n:03d}", gpus=args.gpus, **token) for n in range(args.nodes)]
+        beats = Heartbeats(agents, args.beat)
+        hello = None
+        try:
+            for agent in agents:
+                agent.register()
+            if args.beat > 0:
+                beats.thread.start()
+            nodes = s.api.get("/v1/nodes").json()["nodes"]
+            ready = sum(n["state"] == "ready" for n in nodes)
+            body_bytes = len(s.api.get("/v1/nodes").content)
+            print(f"manager: {len(nodes)} nodes ({ready} ready) x {args.gpus} GPUs; /v1/nodes body {body_bytes:,} B",
+                  file=sys.stderr)
+            hello, hello_url = hello_server(s, args.server_threads, body_bytes)
+            json_bytes = len(requests.get(f"{hello_url}/json", timeout=5).content)
+            targets = {"gpumgr GET /v1/nodes": f"{s.url}/v1/nodes",
+                       "hello GET / (tiny)": f"{hello_url}/",
+                       f"hello GET /json ({json_bytes // 1000} kB)": f"{hello_url}/json",
+                       f"hello GET /cached ({json_bytes // 1000} kB)": f"{hello_url}/cached"}
+            for url in targets.values():  # warm-up
+                load(url, args.wrk_threads, args.connections, 1)
+            for rep in range(args.reps):
+                for name, url in targets.items():
+                    r = load(url, args.wrk_threads, args.connections, args.duration)
+                    results.setdefault(name, []).append(r)
+                    print(f"  rep {rep + 1}/{args.reps} {name}: {r['rps']:,.0f} req/s, p50 {r['p50_ms']} ms",
+                          file=sys.stderr)
+            still_ready = sum(n["state"] == "ready" for n in s.api.get("/v1/nodes").json()["nodes"])
+        finally:
+            beats.stop.set()
+            if beats.thread.is_alive():
+                beats.thread.join(5)
+            for agent in agents:
+                agent.close()
+            if hello is not None:
+                hello.stop()
+    return results, body_bytes, still_ready
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=100)
@@ -124,73 +177,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     use_wrk = shutil.which("wrk") is not None and not args.python_client
-    load = run_wrk if use_wrk else run_python_client
     if not use_wrk:
         print("wrk not found (apt-get install -y wrk): using the threaded Python client", file=sys.stderr)
-
-    results: dict[str, list[dict]] = {}
-    with tempfile.TemporaryDirectory(prefix="gpumgr-bench-") as tmp:
-        env = {"GPUMGR_HEARTBEAT_LIVENESS": "100000", "GPUMGR_THREADS": str(args.server_threads),
-               "GPUMGR_LOG_LEVEL": "WARNING"}
-        manager = ManagerProc(Path(tmp), env=env)
-        hello_port = free_port()
-        hello_log = open(Path(tmp) / "hello.log", "wb")  # noqa: SIM115 - closed below
-        hello = None
-        agents: list[FakeAgent] = []
-        beats = None
-        try:
-            for n in range(args.nodes):
-                agent = FakeAgent(manager.endpoint, node=f"node-{n:03d}", gpus=args.gpus)
-                agent.register()
-                agents.append(agent)
-            if args.beat > 0:
-                beats = Heartbeats(agents, args.beat)
-                beats.thread.start()
-            nodes = manager.get("/v1/nodes").json()["nodes"]
-            ready = sum(n["state"] == "ready" for n in nodes)
-            body_bytes = len(manager.get("/v1/nodes").content)
-            print(f"manager: {len(nodes)} nodes ({ready} ready) x {args.gpus} GPUs; /v1/nodes body {body_bytes:,} B",
-                  file=sys.stderr)
-            hello = subprocess.Popen([sys.executable, str(HERE / "hello_waitress.py"), "--port", str(hello_port),
-                                      "--threads", str(args.server_threads), "--json-bytes", str(body_bytes)],
-                                     stdout=hello_log, stderr=subprocess.STDOUT)
-            hello_url = f"http://127.0.0.1:{hello_port}"
-            wait_for(lambda: _answers(hello_url), 20, what="the hello server")
-            json_bytes = len(requests.get(f"{hello_url}/json", timeout=5).content)
-            targets = {"gpumgr GET /v1/nodes": f"{manager.url}/v1/nodes",
-                       "hello GET / (tiny)": f"{hello_url}/",
-                       f"hello GET /json ({json_bytes // 1000} kB)": f"{hello_url}/json",
-                       f"hello GET /cached ({json_bytes // 1000} kB)": f"{hello_url}/cached"}
-            for url in targets.values():  # warm-up
-                load(url, args.wrk_threads, args.connections, 1)
-            for rep in range(args.reps):
-                for name, url in targets.items():
-                    r = load(url, args.wrk_threads, args.connections, args.duration)
-                    results.setdefault(name, []).append(r)
-                    print(f"  rep {rep + 1}/{args.reps} {name}: {r['rps']:,.0f} req/s, p50 {r['p50_ms']} ms",
-                          file=sys.stderr)
-            still_ready = sum(n["state"] == "ready" for n in manager.get("/v1/nodes").json()["nodes"])
-        finally:
-            if beats is not None:
-                beats.stop.set()
-                beats.thread.join(5)
-            for agent in agents:
-                agent.close()
-            if hello is not None:
-                hello.terminate()
-                hello.wait(10)
-            hello_log.close()
-            manager.stop()
+    results, body_bytes, still_ready = measure(args, run_wrk if use_wrk else run_python_client)
 
     summary = {}
-    print(f"\n{'target':30} {'median req/s':>13} {'min':>9} {'max':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
     for name, runs in results.items():
         rps = [r["rps"] for r in runs]
-        summary[name] = {"median_rps": statistics.median(rps), "min_rps": min(rps), "max_rps": max(rps),
+        summary[name] = {"median_rps": median(rps), "min_rps": min(rps), "max_rps": max(rps),
                          **{f"median_{k}": _median(runs, k) for k in ("p50_ms", "p90_ms", "p99_ms")}, "runs": runs}
-        s = summary[name]
-        print(f"{name:30} {s['median_rps']:13,.0f} {s['min_rps']:9,.0f} {s['max_rps']:9,.0f} "
-              f"{s['median_p50_ms']:8.2f} {s['median_p90_ms']:8.2f} {s['median_p99_ms']:8.2f}")
+    table([("target", "30"), ("median req/s", "13,.0f"), ("min", "9,.0f"), ("max", "9,.0f"), ("p50 ms", "8.2f"),
+           ("p90 ms", "8.2f"), ("p99 ms", "8.2f")],
+          [[name, *(s[k] for k in ("median_rps", "min_rps", "max_rps", "median_p50_ms", "median_p90_ms",
+                                   "median_p99_ms"))] for name, s in summary.items()], lead="\n")
     names = list(summary)
     nodes_rps = summary[names[0]]["median_rps"]
     ratio_tiny = nodes_rps / summary[names[1]]["median_rps"]
@@ -203,26 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio /v1/nodes vs hello tiny = {ratio_tiny:.3f}, vs same-size JSON = {ratio_json:.3f}, "
           f"vs same-size cached bytes = {ratio_cached:.3f}; "
           f"target >= {args.target:,.0f} req/s -> {'MET' if met else 'MISSED'}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "benchmark": "nodes_map", "python": platform.python_version(), "args": vars(args),
-            "client": "wrk" if use_wrk else "python", "nodes_body_bytes": body_bytes, "results": summary,
-            "ratio_vs_hello_tiny": ratio_tiny, "ratio_vs_hello_json": ratio_json,
-            "ratio_vs_hello_cached": ratio_cached, "non_2xx": errors,
-            "nodes_ready_at_end": still_ready, "target_rps": args.target, "target_met": met,
-        }, indent=2))
+    save(args.json, "nodes_map", args, client="wrk" if use_wrk else "python", nodes_body_bytes=body_bytes,
+         results=summary, ratio_vs_hello_tiny=ratio_tiny, ratio_vs_hello_json=ratio_json,
+         ratio_vs_hello_cached=ratio_cached, non_2xx=errors, nodes_ready_at_end=still_ready, target_rps=args.target,
+         target_met=met)
     return 0
 
 
 def _median(runs: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in runs if r[key] is not None)
-
-
-def _answers(url: str) -> bool:
-    try:
-        return requests.get(url, timeout=1).ok
-    except requests.ConnectionError:
-        return False
+    return median(r[key] for r in runs if r[key] is not None)
 
 
 if __name__ == "__main__":

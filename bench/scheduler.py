@@ -14,23 +14,20 @@ node's heartbeat (8 GPU samples, no container reports) on the same map.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.harness import GiB, median, save, table
 from gpumgr.manager.cluster import Cluster, PlacementSpec, State
 from gpumgr.manager.scheduler import Placement, Request, place
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import NoFit
 from gpumgr.wire.protocol import GpuInfo, GpuSample
 
-GiB = 1 << 30
 #: Single-GPU request sizes (GiB) of the timed mix: all fit on a GPU that is ~80% reserved.
 MIX_GIB = (1, 1, 2, 2, 4, 8)
 
@@ -156,23 +153,16 @@ def main(argv: list[str] | None = None) -> int:
 
     after = cluster._index
     still = sum(s.reserved for _, s in after.by_free) / (args.nodes * args.gpus * args.gpu_size * GiB)
-    rows = []
-    print(f"\n{'measurement':34} {'median/s':>12} {'min/s':>12} {'max/s':>12} {'us/op':>8}")
-    for name, values in rates.items():
-        med = statistics.median(values)
-        rows.append({"name": name, "median_per_s": med, "min_per_s": min(values), "max_per_s": max(values),
-                     "us_per_op": 1e6 / med, "samples": values})
-        print(f"{name:34} {med:12,.0f} {min(values):12,.0f} {max(values):12,.0f} {1e6 / med:8.2f}")
-    worst = min(statistics.median(rates[f"reserve+finish {p}"]) for p in ("spread", "binpack"))
+    rows = [{"name": name, "median_per_s": median(values), "min_per_s": min(values), "max_per_s": max(values),
+             "us_per_op": 1e6 / median(values), "samples": values} for name, values in rates.items()]
+    table([("measurement", "34"), ("median/s", "12,.0f"), ("min/s", "12,.0f"), ("max/s", "12,.0f"), ("us/op", "8.2f")],
+          [[r["name"], r["median_per_s"], r["min_per_s"], r["max_per_s"], r["us_per_op"]] for r in rows], lead="\n")
+    worst = min(median(rates[f"reserve+finish {p}"]) for p in ("spread", "binpack"))
     met = worst >= args.target
     print(f"\nreserved after timing: {still:.1%}; target >= {args.target:,.0f} place+release/s "
           f"(single-GPU mix, worse placement): {worst:,.0f}/s -> {'MET' if met else 'MISSED'}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "benchmark": "scheduler", "python": platform.python_version(), "args": vars(args),
-            "fill_before": filled, "fill_after": still, "live_grants": live, "results": rows,
-            "target_per_s": args.target, "worst_single_gpu_median_per_s": worst, "target_met": met,
-        }, indent=2))
+    save(args.json, "scheduler", args, fill_before=filled, fill_after=still, live_grants=live, results=rows,
+         target_per_s=args.target, worst_single_gpu_median_per_s=worst, target_met=met)
     return 0
 
 

@@ -26,48 +26,26 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import math
 import random
-import signal
 import sys
-import tempfile
 import time
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import docker
-import docker.errors
-
-from bench.common import IMAGE, RUN_LABEL, USAGE, cpu_seconds, interrupt, machine, remove_run, write_usage
-from tests.procs import AgentProc, ManagerProc
-
-GiB = 1 << 30
-MiB = 1 << 20
-
-
-
-
-
-
-
-
+from bench import harness
+from bench.harness import GiB, MiB, Stack, cpu_seconds, machine, machine_line, stack, wait_for, write_usage
 
 
 class Soak:
     """The containers, their writers and the checks."""
 
-    def __init__(self, args: argparse.Namespace, manager: ManagerProc, client: docker.DockerClient,
-                 run_id: str) -> None:
+    def __init__(self, args: argparse.Namespace, s: Stack) -> None:
         self.args = args
-        self.manager = manager
-        self.client = client
-        self.labels = {RUN_LABEL: run_id}
+        self.s = s
         self.rng = random.Random(args.seed)
         self.live: dict[str, dict] = {}  # id → {grant, pid, container_id}
-        self.ever: set[str] = set()
         self.writes = self.exact_writes = self.write_errors = 0
         self.replaced = 0
         self.over_seen: list[dict] = []
@@ -81,26 +59,18 @@ class Soak:
     def add(self) -> None:
         grant = self.rng.randrange(512 * MiB, 8 * GiB + 1)
         start = grant * 95 // 100
-        body = {"image": IMAGE, "gpu_memory": grant, "env": {"GPUMGR_SIM_USAGE_FILE": USAGE}, "labels": self.labels,
-                "on_overrun": "kill", "command": ["sh", "-c", f"echo {start} > {USAGE}; exec sleep 36000"]}
-        reply = self.manager.post("/v1/containers", json=body)
-        if reply.status_code != 201:
-            raise RuntimeError(f"POST /v1/containers answered {reply.status_code}: {reply.text}")
-        record = reply.json()
-        pid = self.client.api.inspect_container(record["container_id"])["State"]["Pid"]
+        record = self.s.create_using(grant, start, on_overrun="kill")
+        pid = self.s.pid(record["container_id"])
         self.live[record["id"]] = {"grant": grant, "pid": pid, "container_id": record["container_id"],
                                    "gpu": record["gpus"][0]["index"]}
-        self.ever.add(record["id"])
 
     def wait_seen(self, timeout: float = 60) -> None:
         """Until the manager shows usage (> 0) for every live container."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            records = {r["id"]: r for r in self.manager.get("/v1/containers").json()["containers"]}
-            if all(records.get(cid, {}).get("gpu_memory_used", 0) > 0 for cid in self.live):
-                return
-            time.sleep(0.5)
-        raise RuntimeError("the manager never showed the usage of every container")
+        def seen() -> bool:
+            records = {r["id"]: r for r in self.s.api.get("/v1/containers").json()["containers"]}
+            return all(records.get(cid, {}).get("gpu_memory_used", 0) > 0 for cid in self.live)
+
+        wait_for(seen, timeout, interval=0.5, what="the manager to show the usage of every container")
 
     # --- the soak ------------------------------------------------------------------------------
     def value(self, grant: int) -> int:
@@ -154,14 +124,14 @@ class Soak:
     def check(self) -> list[str]:
         """Look at the manager; replace containers someone else removed; return the ids of new ones."""
         self.checks += 1
-        events = self.manager.get("/v1/events", params={"since": self.last_event}).json()["events"]
+        events = self.s.events(self.last_event)
         if events:
             self.last_event = events[-1]["id"]
         for event in events:
             if event["type"] in ("killed", "overrun"):
                 self.bad_events.append(event)
                 print(f"  FALSE POSITIVE: {event['type']} event: {event}", file=sys.stderr, flush=True)
-        records = {r["id"]: r for r in self.manager.get("/v1/containers").json()["containers"]}
+        records = {r["id"]: r for r in self.s.api.get("/v1/containers").json()["containers"]}
         for cid, entry in list(self.live.items()):
             record = records.get(cid, {})
             used = record.get("gpu_memory_used", 0)
@@ -190,21 +160,16 @@ class Soak:
         deadline = time.monotonic() + 15
         record: dict = {}
         while time.monotonic() < deadline:
-            record = self.manager.get(f"/v1/containers/{cid}").json()
+            record = self.s.api.get(f"/v1/containers/{cid}").json()
             if record["state"] == "killed":
                 break
             time.sleep(0.02)
-        killed = [e for e in self.manager.get("/v1/events", params={"since": self.last_event, "type": "killed"})
-                  .json()["events"]]
+        killed = self.s.events(self.last_event, type="killed")
         mine = [e for e in killed if e["container"] == cid]
         return {"id": cid, "grant": entry["grant"], "written": entry["grant"] + 1, "state": record.get("state"),
                 "reason": record.get("reason"), "observed": record.get("detail", {}).get("observed"),
                 "killed_after_s": mine[0]["time"] - t0 if mine else None,
                 "others_killed": [e["container"] for e in killed if e["container"] != cid]}
-
-
-
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,38 +187,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, interrupt)
 
-    client = docker.from_env(timeout=60)
-    client.images.get(IMAGE)  # fail early without the test image
-    run_id = uuid.uuid4().hex[:12]
     info = machine()
-    tmp = Path(tempfile.mkdtemp(prefix="gpumgr-enf-soak-"))
     problems: list[str] = []
     result: dict = {}
     control: dict | None = None
     soak: Soak | None = None
-    manager = agent = None
     try:
-        manager = ManagerProc(tmp)
-        agent = AgentProc(tmp, manager, f"enf-soak-{run_id[:6]}", gpus=args.gpus, runtime="docker")
-        soak = Soak(args, manager, client, run_id)
-        for _ in range(args.containers):
-            soak.add()
-        soak.wait_seen()
-        print(f"soaking {args.containers} containers for {args.duration:.0f} s ...", file=sys.stderr, flush=True)
-        result = soak.run(args.duration, agent.popen.pid)
-        if not args.no_control:
-            control = soak.control()
+        with stack(name="enf-soak", gpus=args.gpus, keep_logs=True) as s:
+            soak = Soak(args, s)
+            for _ in range(args.containers):
+                soak.add()
+            soak.wait_seen()
+            print(f"soaking {args.containers} containers for {args.duration:.0f} s ...", file=sys.stderr, flush=True)
+            result = soak.run(args.duration, s.agents[0].pid)
+            if not args.no_control:
+                control = soak.control()
     except KeyboardInterrupt:
         problems.append("interrupted")
-    finally:
-        removed = remove_run(client, run_id)
-        for proc in (agent, manager):
-            if proc is not None:
-                proc.stop()
-        left = client.containers.list(all=True, filters={"label": f"{RUN_LABEL}={run_id}"})
-        print(f"removed {removed} container(s); {len(left)} remain; logs in {tmp}", file=sys.stderr)
     if soak is None:
         return 1
 
@@ -261,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     overrun = [e for e in soak.bad_events if e["type"] == "overrun"]
     seconds = result.get("seconds", 0.0)
     print(f"\nsoak: {args.containers} containers on {args.gpus}, default enforcement settings, "
-          f"{seconds:.0f} s; machine {info['nproc']} x {info['cpu_model']}; commit {info['commit']}")
+          f"{seconds:.0f} s; {machine_line(info)}")
     rows = [
         ("duration (s)", f"{seconds:.0f}"),
         ("usage writes", f"{soak.writes} ({soak.writes / max(seconds, 1):.0f}/s)"),
@@ -291,13 +242,11 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "MISS"
     for problem in problems:
         print("  problem: " + problem)
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "benchmark": "soak", "machine": info, "args": vars(args), "result": result, "writes": soak.writes,
-            "exact_writes": soak.exact_writes, "write_errors": soak.write_errors, "checks": soak.checks,
-            "max_ratio": soak.max_ratio, "over_seen": soak.over_seen, "bad_events": soak.bad_events,
-            "external_removals": soak.external, "replaced": soak.replaced, "control": control,
-            "problems": problems, "verdict": verdict}, indent=2))
+    harness.save(args.json, "soak", args, machine=info, result=result, writes=soak.writes,
+                 exact_writes=soak.exact_writes, write_errors=soak.write_errors, checks=soak.checks,
+                 max_ratio=soak.max_ratio, over_seen=soak.over_seen, bad_events=soak.bad_events,
+                 external_removals=soak.external, replaced=soak.replaced, control=control, problems=problems,
+                 verdict=verdict)
     return 0 if verdict == "PASS" else 1
 
 

@@ -9,9 +9,9 @@ Set-up (all of it from the test suite, nothing on the host's own Docker engine i
   ``gpumgr plugin install`` done against it (the OCI runtime hook ``gpumgr-runtime`` is its *default*
   runtime, the ``docker gpu`` CLI plugin is in its DOCKER_CONFIG), initialised as a one-node swarm on
   127.0.0.1; the test image ``gpumgr-test/busybox:latest`` is imported into it from /bin/busybox.
-* ``tests.procs.ManagerProc``: ``gpumgr manager`` on free loopback ports.
-* ``tests.procs.AgentProc``: ``gpumgr agent`` for node ``swarm-node``, ``--gpus sim:2x48GiB`` (so ten
-  1 GiB replicas always fit), pointed at the engine (DOCKER_HOST) and at the hook's socket.
+* ``bench.harness.stack``: ``gpumgr manager`` on free loopback ports and one ``gpumgr agent``,
+  ``--gpus sim:2x48GiB`` (so ten 1 GiB replicas always fit), pointed at the engine (DOCKER_HOST) and
+  at the hook's socket.
 
 Both arms run on that same engine, so **the plain service's containers pass through the hook too**:
 the hook is the engine's default runtime and a Swarm task cannot choose another. For them the shell
@@ -78,6 +78,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,33 +86,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import docker
 
-from bench.common import IMAGE, interrupt, pct
-from bench.common import machine as common_machine
+from bench import harness
+from bench.harness import IMAGE, Stack, busybox_tar, first_line, interrupt, save, stack, summary
 from gpumgr.plugin.install import HOOK_EAGER, HOOK_IMPORTS, launcher_code
-from tests.conftest import _busybox_tar
-from tests.procs import AgentProc, ManagerProc
 from tests.swarm import SwarmEngine
 
-NODE = "swarm-node"
 SERVICE_LABEL = "com.docker.swarm.service.name"
 LIVE = ("creating", "running")
 
 
-# --- statistics and machine --------------------------------------------------------------------
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    return {"n": len(values), "median": statistics.median(values), "p90": pct(values, 0.9), "min": min(values),
-            "max": max(values)}
-
-
+# --- machine -------------------------------------------------------------------------------------
 def machine() -> dict[str, Any]:
-    """The common machine facts plus the Docker CLI, engine and runc versions."""
-    def first_line(argv: list[str]) -> str:
-        return subprocess.run(argv, capture_output=True, text=True).stdout.strip().split("\n")[0]
-
-    return common_machine(docker_cli=first_line(["docker", "version", "--format", "{{.Client.Version}}"]),
-                          dockerd=first_line(["dockerd", "--version"]), runc=first_line(["runc", "--version"]))
+    """The harness's machine facts plus the Docker CLI, dockerd and runc versions."""
+    return harness.machine(docker_cli=first_line(["docker", "version", "--format", "{{.Client.Version}}"]),
+                           dockerd=first_line(["dockerd", "--version"]), runc=first_line(["runc", "--version"]))
 
 
 def docker_time(text: str) -> float:
@@ -134,26 +122,26 @@ class BareSwarmEngine(SwarmEngine):
         return ""
 
 
-def start_engine(cls: type[SwarmEngine], image_tar: bytes, started: list[SwarmEngine]) -> SwarmEngine:
-    """Construct ``cls`` so that ``started`` holds it even if its constructor fails half-way (dockerd up)."""
+@contextlib.contextmanager
+def swarm_engine(cls: type[SwarmEngine], image_tar: bytes) -> Iterator[SwarmEngine]:
+    """A started ``cls``, stopped and removed on exit, also when its constructor fails half-way (dockerd up)."""
     engine = cls.__new__(cls)
-    started.append(engine)
-    engine.__init__(image_tar)
-    return engine
-
-
-def stop_engine(engine: SwarmEngine) -> None:
-    if hasattr(engine, "proc"):
-        engine.stop()
-    elif hasattr(engine, "dir"):
-        if hasattr(engine, "_log"):
-            engine._log.close()
-        shutil.rmtree(engine.dir, ignore_errors=True)
+    try:
+        engine.__init__(image_tar)  # type: ignore[misc]
+        yield engine
+    finally:
+        with contextlib.suppress(Exception):
+            if hasattr(engine, "proc"):
+                engine.stop()
+            elif hasattr(engine, "dir"):
+                if hasattr(engine, "_log"):
+                    engine._log.close()
+                shutil.rmtree(engine.dir, ignore_errors=True)
 
 
 # --- one trial ------------------------------------------------------------------------------------
 class Arm:
-    def __init__(self, key: str, slug: str, label: str, engine: SwarmEngine, manager: ManagerProc, replicas: int,
+    def __init__(self, key: str, slug: str, label: str, engine: SwarmEngine, manager: Stack, replicas: int,
                  gpu_memory: str | None) -> None:
         self.key, self.slug, self.label, self.engine, self.manager = key, slug, label, engine, manager
         self.replicas, self.gpu_memory = replicas, gpu_memory
@@ -175,7 +163,7 @@ class Arm:
         return self.api.containers(filters={"label": f"{SERVICE_LABEL}={name}", "status": "running"})
 
     def grants(self, name: str) -> list[dict]:
-        return self.manager.get("/v1/containers", params={"service": name}).json()["containers"]
+        return self.manager.api.get("/v1/containers", params={"service": name}).json()["containers"]
 
     def trial(self, name: str, poll: float, timeout: float) -> dict[str, Any]:
         """Create the service and time it until all replicas run; the service is left running."""
@@ -516,71 +504,53 @@ def main() -> int:
 
     info = machine()
     print(f"machine: {info}")
-    busybox = shutil.which("busybox") or "/bin/busybox"
-    image_tar = _busybox_tar(busybox)
-    tmp = Path(tempfile.mkdtemp(prefix="gpumgr-bench-swarm-"))
-    engines: list[SwarmEngine] = []
-    procs: list[Any] = []
-    arms: list[Arm] = []
-    ok = False
-    try:
-        engine = start_engine(SwarmEngine, image_tar, engines)
-        manager = ManagerProc(tmp)
-        procs.append(manager)
-        agent = AgentProc(tmp, manager, NODE, gpus=args.gpus,
-                          env={"DOCKER_HOST": engine.env["DOCKER_HOST"], "GPUMGR_HOOK_SOCKET": engine.hook_socket})
-        procs.append(agent)
+    image_tar = busybox_tar()
+    with contextlib.ExitStack() as running:
+        engine = running.enter_context(swarm_engine(SwarmEngine, image_tar))
+        manager = running.enter_context(stack(name="swarm", gpus=args.gpus, agent_env={
+            "DOCKER_HOST": engine.env["DOCKER_HOST"], "GPUMGR_HOOK_SOCKET": engine.hook_socket}))
         default_runtime = engine.docker("info", "--format", "{{.DefaultRuntime}}").stdout.strip()
         print(f"engine {engine.dir}: default runtime {default_runtime!r}; manager {manager.url}")
         trace = HookTrace(engine) if args.trace_hook else None
         arms = [Arm("A", "gpu", "docker gpu service create", engine, manager, args.replicas, args.gpu_memory),
                 Arm("B", "plain", "docker service create", engine, manager, args.replicas, None)]
         if args.bare_engine_reference:
-            bare = start_engine(BareSwarmEngine, image_tar, engines)
+            bare = running.enter_context(swarm_engine(BareSwarmEngine, image_tar))
             print(f"bare engine {bare.dir}: default runtime "
                   f"{bare.docker('info', '--format', '{{.DefaultRuntime}}').stdout.strip()!r}")
             arms.append(Arm("C", "bare", "docker service create, engine without hook", bare, manager, args.replicas,
                             None))
-
-        samples: dict[str, list] = {arm.key: [] for arm in arms}
-        samples["order"] = []
-        for k in range(-args.warmup, args.trials):
-            order = arms if k % 2 == 0 else [arms[1], arms[0], *arms[2:]]
-            for arm in order:
-                name = f"bench-{arm.slug}-{'warm' if k < 0 else ''}{abs(k):02d}"
-                result = arm.trial(name, args.poll, args.timeout)
-                arm.remove(name, args.timeout)
-                time.sleep(args.settle)
-                print(f"{'warm-up' if k < 0 else 'trial'} {k:2d} {arm.key}: tasks {ms(result['tasks_s'])} ms, "
-                      f"containers {ms(result['containers_s'])} ms, grants {ms(result['grants_s'])} ms, "
-                      f"cli {ms(result['cli_s'])} ms, Created->StartedAt median "
-                      f"{ms(result['create_to_start_median_s'])} ms, load {result['loadavg_1m']:.2f}", flush=True)
-                if k >= 0:
-                    samples[arm.key].append(result)
-            if k >= 0:
-                samples["order"].append("".join(arm.key for arm in order))
+        for arm in arms:
+            running.callback(arm.close)
+        samples = run_trials(args, arms)
         probes = hook_probes(engine, args.hook_probes) if args.hook_probes else None
         out = report(args, arms, samples, probes)
         if trace is not None:
             out["trace"] = trace_report(trace, arms, samples)
-        if args.json:
-            args.json.write_text(json.dumps({"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
-                                             "samples": samples, **out}, indent=2))
-        ok = True
-    finally:
-        for arm in arms:
-            arm.close()
-        for proc in reversed(procs):
-            with contextlib.suppress(Exception):
-                proc.stop()
-        for engine in reversed(engines):
-            with contextlib.suppress(Exception):
-                stop_engine(engine)
-        if ok:
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            print(f"manager and agent logs kept in {tmp}", file=sys.stderr)
+        save(args.json, "swarm_create", args, machine=info, samples=samples, **out)
     return 0
+
+
+def run_trials(args: argparse.Namespace, arms: list[Arm]) -> dict[str, list]:
+    """Warm-up and timed trials in ABBA order (C, if there, last); each service removed after its trial."""
+    samples: dict[str, list] = {arm.key: [] for arm in arms}
+    samples["order"] = []
+    for k in range(-args.warmup, args.trials):
+        order = arms if k % 2 == 0 else [arms[1], arms[0], *arms[2:]]
+        for arm in order:
+            name = f"bench-{arm.slug}-{'warm' if k < 0 else ''}{abs(k):02d}"
+            result = arm.trial(name, args.poll, args.timeout)
+            arm.remove(name, args.timeout)
+            time.sleep(args.settle)
+            print(f"{'warm-up' if k < 0 else 'trial'} {k:2d} {arm.key}: tasks {ms(result['tasks_s'])} ms, "
+                  f"containers {ms(result['containers_s'])} ms, grants {ms(result['grants_s'])} ms, "
+                  f"cli {ms(result['cli_s'])} ms, Created->StartedAt median "
+                  f"{ms(result['create_to_start_median_s'])} ms, load {result['loadavg_1m']:.2f}", flush=True)
+            if k >= 0:
+                samples[arm.key].append(result)
+        if k >= 0:
+            samples["order"].append("".join(arm.key for arm in order))
+    return samples
 
 
 if __name__ == "__main__":
