@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import zmq
@@ -22,9 +22,10 @@ import zmq
 from gpumgr.agent.enforcer import Enforcer, EnforcerSettings
 from gpumgr.agent.gpus import GpuSource
 from gpumgr.agent.hookrelay import MANAGER, HookRelay, bind_relay
+from gpumgr.agent.identity import Identity
 from gpumgr.agent.meter import Sample, take_sample
-from gpumgr.agent.runtime import Managed, Runtime
-from gpumgr.wire import defaults, protocol
+from gpumgr.agent.runtime import ChangeCallback, Managed, Runtime
+from gpumgr.wire import defaults, protocol, security
 from gpumgr.wire.errors import GpumgrError
 from gpumgr.wire.link import Link, LinkHooks, Peer
 
@@ -35,9 +36,10 @@ DEFAULT_ENFORCEMENT = EnforcerSettings()
 class Agent:
     """Connects ``node``'s GPUs (``source``) and containers (``runtime``) to the manager at ``endpoint``."""
 
-    def __init__(self, node: str, endpoint: str, source: GpuSource, runtime: Runtime, *,
+    def __init__(self, node: str, endpoint: str, source: GpuSource, runtime: Runtime, identity: Identity, *,
                  heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL,
-                 enforcement: EnforcerSettings | None = DEFAULT_ENFORCEMENT, hook_socket: str | None = None) -> None:
+                 enforcement: EnforcerSettings | None = DEFAULT_ENFORCEMENT, hook_socket: str | None = None,
+                 join_timeout: float = defaults.JOIN_TIMEOUT) -> None:
         self.node = node
         self.endpoint = endpoint
         self.source = source
@@ -46,12 +48,18 @@ class Agent:
         self.interval = heartbeat_interval
         self.registered = threading.Event()
         self.hook_socket = hook_socket
+        self.identity = identity
+        #: Why the agent stopped on its own (refused by the manager); None while it serves or after stop().
+        self.failure: str | None = None
+        self._join = identity.join
+        self._join_deadline = time.monotonic() + join_timeout
+        self._joining = False
         self._pool = ThreadPoolExecutor(defaults.AGENT_WORKERS, thread_name_prefix="agent-cmd")
         self._relay: HookRelay | None = None
         self._backoff, self._next_register, self._next_beat = defaults.RECONNECT_MIN, 0.0, 0.0
         hooks = LinkHooks(on_tick=self._tick, descriptors=self._descriptors, on_ready=self._on_ready,
                           on_stop=self._on_stop)
-        self.link = Link(zmq.DEALER, endpoint, self._handle, bind=False, configure=_dealer_options,
+        self.link = Link(zmq.DEALER, endpoint, self._handle, bind=False, configure=self._configure,
                          tick=defaults.LINK_TICK, hooks=hooks, name="agent-link")
         self.enforcer = None if enforcement is None else Enforcer(source, self.devices, runtime, self.report_overrun,
                                                                   enforcement)
@@ -82,9 +90,18 @@ class Agent:
             self._relay = bind_relay(self.hook_socket, self.link, self.runtime, self.node, self.registered)
         self.link.run()
 
+    def _configure(self, sock: zmq.Socket[bytes]) -> None:
+        _dealer_options(sock)
+        security.connect_curve(sock, self.identity.keys, self.identity.server_public)
+
     def _tick(self) -> float:
-        """Register until accepted, then heartbeat every interval; returns the seconds until the next due."""
+        """Join once if needed, register until accepted, then heartbeat every interval.
+
+        Returns the seconds until the next thing is due.
+        """
         now = time.monotonic()
+        if self._join is not None:
+            return self._join_tick(now)
         if not self.registered.is_set() and now >= self._next_register:
             self._next_register = now + self._backoff
             self._backoff = min(self._backoff * 2, defaults.RECONNECT_MAX)
@@ -96,6 +113,34 @@ class Agent:
             self._relay.expire()
         due = self._next_beat if self.registered.is_set() else self._next_register
         return due - time.monotonic()
+
+    def _join_tick(self, now: float) -> float:
+        if now >= self._join_deadline:
+            self._fail(f"no answer from a manager at {self.endpoint} to this agent's join: check --manager, and "
+                       "that the token was printed by that manager (its key is in the token)")
+        elif not self._joining and self._join is not None:
+            self._joining = True
+            future = self.link.request_async(MANAGER, self._join, self._backoff)
+            future.add_done_callback(self._joined)
+        return self._backoff
+
+    def _joined(self, done: Future[protocol.Reply]) -> None:
+        self._joining = False
+        if done.exception() is not None:  # unanswered: ZeroMQ may still be connecting; ask again
+            self._backoff = min(self._backoff * 2, defaults.RECONNECT_MAX)
+            return
+        reply = done.result()
+        if not reply.ok:
+            self._fail(f"the manager refused this agent: {reply.error.message if reply.error else 'no reason'}")
+            return
+        self.identity.remember(self.node)
+        self._join, self._backoff, self._next_register = None, defaults.RECONNECT_MIN, 0.0
+        log.info("joined the manager at %s as node %s", self.endpoint, self.node)
+
+    def _fail(self, reason: str) -> None:
+        log.error("%s", reason)
+        self.failure = reason
+        self.stop()
 
     def _descriptors(self) -> set[int]:
         return self._relay.descriptors() if self._relay is not None else set()
@@ -115,6 +160,8 @@ class Agent:
             self.registered.set()
             self._backoff, self._next_beat = defaults.RECONNECT_MIN, 0.0
             log.info("registered with the manager at %s", self.endpoint)
+        elif isinstance(message, protocol.Refused):
+            self._fail(f"the manager refused this node's registration: {message.message}")
         elif isinstance(message, protocol.Reregister):
             log.info("the manager does not know this node (it restarted?): registering again")
             self.registered.clear()
@@ -178,8 +225,8 @@ def _dealer_options(sock: zmq.Socket[bytes]) -> None:
         sock.setsockopt(option, value)
 
 
-def build_runtime(kind: str, on_change, *, network_mode: str | None, device_requests: str, gpu_kind: str,
-                  log_dir: str, mps: bool = False, node: str = "") -> Runtime:
+def build_runtime(kind: str, on_change: ChangeCallback, *, network_mode: str | None, device_requests: str,
+                  gpu_kind: str, log_dir: str, mps: bool = False, node: str = "") -> Runtime:
     """The runtime ``kind`` (``auto`` picks Docker when the engine answers, else host processes)."""
     from gpumgr.agent.docker_runtime import DockerRuntime, docker_answers
     from gpumgr.agent.process_runtime import ProcessRuntime

@@ -24,6 +24,9 @@ class AgentSettings(Settings):
                                 stop_grace=self.stop_grace)
 
     manager: str = defaults.AGENTS_ENDPOINT
+    join_token: str | None = None
+    state_dir: str | None = None
+    join_timeout: float = Field(defaults.JOIN_TIMEOUT, gt=0)
     node: str = Field(default_factory=socket.gethostname, min_length=1)
     gpus: str = "auto"
     runtime: Literal["auto", "docker", "process"] = "auto"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -23,12 +24,14 @@ from gpumgr.agent.runtime import (
     managed_from_labels,
 )
 from gpumgr.wire import defaults
-from gpumgr.wire.errors import RuntimeFailure
+from gpumgr.wire.errors import InvalidRequest, NotFound, RuntimeFailure
 from gpumgr.wire.names import Env, Label, State
 from gpumgr.wire.protocol import ContainerSpec, Reserve
 
 log = logging.getLogger(__name__)
 
+#: The Swarm task's identity, from the variables ``docker gpu`` templates into the task's environment.
+TASK_LABELS = {Env.TASK: Label.TASK, Env.SERVICE: Label.SERVICE, Env.SLOT: Label.SLOT}
 #: Processes whose cgroup is remembered at most; the cache starts over when it is full.
 CGROUP_CACHE_SIZE = 65536
 
@@ -46,6 +49,7 @@ class DockerRuntime(Runtime):
         self.network_mode = network_mode
         self.device_requests = device_requests
         self._by_id: dict[str, str] = {}
+        self._engine_root: str | None = None
         #: host pid → (start time, container ids from its cgroup); only the enforcer's thread uses it
         self._cgroups: dict[int, tuple[int, list[str]]] = {}
         self._stop = threading.Event()
@@ -161,6 +165,46 @@ class DockerRuntime(Runtime):
             if managed is not None:
                 self._by_id.pop(managed.container_id, None)
             return managed
+
+    def engine_request(self, request: Reserve) -> Reserve:
+        """``request`` as this node's engine records its container; what the request itself claims counts for nothing.
+
+        The runtime hook's socket is root-only, but the grant must still come from what the container
+        was created with (its configuration in the engine, which its own processes cannot change), and
+        only for a container that exists here and is not running yet. The engine holds the container's
+        lock while the hook runs, so an inspect would wait for the hook that waits for us: the list
+        (the engine's lock-free view) proves the container, and the configuration the engine wrote at
+        ``docker create`` (``config.v2.json`` under its root directory) gives the request.
+        """
+        listed = self.client.api.containers(all=True, filters={"id": request.container_id})
+        summary = next((c for c in listed if c.get("Id") == request.container_id), None)
+        if summary is None:
+            raise NotFound(f"no container {request.container_id[:12]} is being created in this node's engine")
+        if summary.get("State") == "running":
+            raise InvalidRequest(f"container {request.container_id[:12]} is already running")
+        attrs = self._engine_record(request.container_id)
+        env = dict(item.split("=", 1) for item in attrs["Config"].get("Env") or [] if "=" in item)
+        try:
+            memory, gpus = int(env[Env.REQUEST_MEMORY]), int(env.get(Env.REQUEST_GPUS, "1"))
+            labels = {label: env[var] for var, label in TASK_LABELS.items() if env.get(var)}
+            return Reserve(container_id=summary["Id"], gpu_memory=memory, gpus=gpus, labels=labels,
+                           name=env.get(Env.TASK_NAME) or str(attrs.get("Name", "")).lstrip("/"),
+                           image=str(attrs["Config"].get("Image", "")),
+                           on_overrun=env.get(Env.REQUEST_ON_OVERRUN) or None)
+        except (KeyError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+            raise InvalidRequest(f"container {request.container_id[:12]} asks for no valid GPU memory: {exc}") from None
+
+    def _engine_record(self, container_id: str) -> dict[str, Any]:
+        """What the engine wrote for ``container_id`` when it was created; InvalidRequest if it cannot be read."""
+        if self._engine_root is None:
+            self._engine_root = str(self.client.info().get("DockerRootDir") or "/var/lib/docker")
+        path = Path(self._engine_root, "containers", container_id, "config.v2.json")
+        try:
+            record: dict[str, Any] = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise InvalidRequest(f"cannot read the engine's record of container {container_id[:12]} ({exc}); "
+                                 "an agent in a container needs the engine's containers folder mounted") from None
+        return record
 
     def track_task(self, container_id: str, grant: dict[str, Any], request: Reserve) -> Managed:
         """Manage a container that the runtime hook is creating for a Swarm task, under ``grant``.

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import socket
+import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,7 @@ class HookListener:
     """Accepts hook connections and reads one framed request from each, never blocking."""
 
     def __init__(self, path: str, timeout: float) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         Path(path).unlink(missing_ok=True)
         self.path = path
         self.timeout = timeout
@@ -122,6 +123,10 @@ class HookListener:
             except OSError as exc:
                 log.warning("could not accept a runtime hook connection: %s", exc)
                 return
+            if not _trusted_peer(sock):
+                log.warning("refused a runtime hook connection from neither root nor this agent's user")
+                sock.close()
+                continue
             if len(self._reading) + len(self._waiting) >= defaults.HOOK_MAX_CONNECTIONS:
                 log.warning("refused a runtime hook connection: %d already open", defaults.HOOK_MAX_CONNECTIONS)
                 sock.close()
@@ -159,3 +164,16 @@ class HookListener:
     def _close(conn: HookConnection) -> None:
         with contextlib.suppress(OSError):
             conn.sock.close()
+
+
+def _trusted_peer(sock: socket.socket) -> bool:
+    """Whether the connecting process runs as root or as this agent's user (the socket's mode says the same).
+
+    The mode 0600 already keeps others out; the kernel's word on the peer is checked as well, so a
+    socket file whose mode was loosened by hand still admits no one else.
+    """
+    try:
+        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except OSError:
+        return False
+    return uid in (0, os.geteuid())

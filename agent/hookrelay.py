@@ -17,7 +17,7 @@ from typing import Any
 from gpumgr.agent.hooklink import HookConnection, HookListener
 from gpumgr.agent.runtime import Runtime, task_env
 from gpumgr.wire import defaults, protocol
-from gpumgr.wire.errors import AgentTimeout, ProtocolError
+from gpumgr.wire.errors import AgentTimeout, GpumgrError, ProtocolError
 from gpumgr.wire.link import Link
 
 log = logging.getLogger(__name__)
@@ -67,9 +67,15 @@ class HookRelay:
         elif not hasattr(self.runtime, "track_task"):
             self._answer(conn, envelope.id, error=("invalid_request", "GPU tasks need the Docker runtime"))
         else:
-            message.node = self.node
-            future = self.link.request_async(MANAGER, message, defaults.HOOK_TIMEOUT)
-            future.add_done_callback(lambda done: self._reserved(conn, envelope.id, message, done))
+            try:
+                request = self.runtime.engine_request(message)  # type: ignore[attr-defined]
+            except GpumgrError as exc:
+                log.warning("refused a runtime hook request: %s", exc.message)
+                self._answer(conn, envelope.id, error=(exc.code, exc.message))
+                return
+            request.node = self.node
+            future = self.link.request_async(MANAGER, request, defaults.HOOK_TIMEOUT)
+            future.add_done_callback(lambda done: self._reserved(conn, envelope.id, request, done))
 
     def _reserved(self, conn: HookConnection, hook_msg: str, request: protocol.Reserve,
                   done: Future[protocol.Reply]) -> None:

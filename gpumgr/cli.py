@@ -19,13 +19,15 @@ from gpumgr.wire import defaults
 from gpumgr.wire.config import load_settings, split_hostport
 
 log = logging.getLogger("gpumgr")
+DEFAULT_URL = f"http://{defaults.API_HOST}:{defaults.API_PORT}"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gpumgr`` console command."""
     args = _parser().parse_args(argv)
     try:
-        return args.func(args)
+        status: int = args.func(args)
+        return status
     except (ValidationError, ValueError, OSError) as exc:
         print(f"gpumgr: {exc}", file=sys.stderr)
         return 2
@@ -44,6 +46,16 @@ def _parser() -> argparse.ArgumentParser:
     _manager_flags(up, config_flag="--manager-config")
     _agent_flags(up, config_flag="--agent-config", with_endpoint=False)
     up.set_defaults(func=run_up_command)
+    token = sub.add_parser("join-token", help="print the token agents join this manager with (last line)")
+    token.add_argument("--state-dir", dest="state_dir", help="the manager's state directory")
+    token.add_argument("--rotate", action="store_true", help="make a new secret: the old token admits no one")
+    token.set_defaults(func=run_join_token_command)
+    node = sub.add_parser("node", help="manage the nodes the manager knows")
+    node_actions = node.add_subparsers(required=True, metavar="ACTION")
+    node_rm = node_actions.add_parser("rm", help="forget a node that is down, and its agent's binding")
+    node_rm.add_argument("name")
+    node_rm.add_argument("--manager-url", help=f"the manager's REST API (default $GPUMGR_MANAGER or {DEFAULT_URL})")
+    node_rm.set_defaults(func=run_node_rm_command)
     from gpumgr.plugin.commands import add_plugin_commands
 
     add_plugin_commands(sub)
@@ -56,6 +68,8 @@ def _manager_flags(parser: argparse.ArgumentParser, config_flag: str) -> None:
     parser.add_argument("--agents", help=f"ZeroMQ endpoint agents connect to (default {defaults.AGENTS_ENDPOINT})")
     parser.add_argument("--token", help="bearer token required on the REST API (needed beyond loopback)")
     parser.add_argument("--placement", choices=["spread", "binpack"], help="default placement policy")
+    parser.add_argument("--state-dir", dest="state_dir", help="keys, join secret and node bindings (default: "
+                        "/var/lib/gpumgr as root, else ~/.local/state/gpumgr)")
     parser.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING, ...")
 
 
@@ -64,6 +78,9 @@ def _agent_flags(parser: argparse.ArgumentParser, config_flag: str, with_endpoin
     if with_endpoint:
         parser.add_argument("--manager", help=f"manager's agent endpoint (default {defaults.AGENTS_ENDPOINT})")
         parser.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING, ...")
+        parser.add_argument("--join", dest="join_token", metavar="TOKEN",
+                            help="join the manager with this token (first start only; env GPUMGR_JOIN_TOKEN)")
+        parser.add_argument("--state-dir", dest="state_dir", help="this agent's key and the manager it joined")
     parser.add_argument("--node", help="node name (default: the host name)")
     parser.add_argument("--gpus", help="auto | nvml | sim:SPEC, e.g. sim:2x24GiB or sim:1x8GiB,1x24GiB")
     parser.add_argument("--runtime", choices=["auto", "docker", "process"], help="where containers run")
@@ -72,14 +89,16 @@ def _agent_flags(parser: argparse.ArgumentParser, config_flag: str, with_endpoin
 def manager_settings(args: argparse.Namespace) -> ManagerSettings:
     """Manager settings from the parsed flags, the environment and the YAML file."""
     return load_settings(ManagerSettings, _existing(args.manager_config), api=args.api, agents=args.agents,
-                         token=args.token, placement=args.placement, log_level=args.log_level)
+                         token=args.token, placement=args.placement, log_level=args.log_level,
+                         state_dir=args.state_dir)
 
 
 def agent_settings(args: argparse.Namespace, manager: str | None = None) -> AgentSettings:
     """Agent settings from the parsed flags, the environment and the YAML file."""
     return load_settings(AgentSettings, _existing(args.agent_config), manager=manager or getattr(args, "manager", None),
                          node=args.node, gpus=args.gpus, runtime=args.runtime,
-                         log_level=getattr(args, "log_level", None))
+                         log_level=getattr(args, "log_level", None), join_token=getattr(args, "join_token", None),
+                         state_dir=getattr(args, "state_dir", None))
 
 
 def run_manager_command(args: argparse.Namespace) -> int:
@@ -105,6 +124,9 @@ def run_agent_command(args: argparse.Namespace) -> int:
     finally:
         agent.runtime.close()
         agent.source.close()
+    if agent.failure is not None:
+        print(f"gpumgr agent: {agent.failure}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -113,7 +135,11 @@ def run_up_command(args: argparse.Namespace) -> int:
     settings = manager_settings(args)
     _logging(settings.log_level)
     server, manager = start_manager(settings)
-    agent = build_agent(agent_settings(args, manager=manager.link.bound_endpoint))
+    local = agent_settings(args, manager=manager.link.bound_endpoint)
+    # the local agent keeps its key beside the manager's and joins with the manager's own token
+    admission = manager.admission
+    local = local.model_copy(update={"state_dir": str(admission.folder), "join_token": admission.token()})
+    agent = build_agent(local)
     thread = threading.Thread(target=agent.run, name="agent", daemon=True)
     thread.start()
     print(f"gpumgr up: local agent {agent.node} with {len(agent.devices)} {agent.source.kind} GPU(s) "
@@ -127,17 +153,45 @@ def run_up_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_join_token_command(args: argparse.Namespace) -> int:
+    """``gpumgr join-token``: works from the state directory whether or not the manager runs."""
+    from gpumgr.manager.admission import Admission
+
+    admission = Admission(args.state_dir or ManagerSettings().state_dir)
+    if args.rotate:
+        admission.rotate()
+        print("new join secret: the previous token admits no new agent (admitted agents stay)")
+    token = admission.token()
+    print(f"on each new host run:  gpumgr agent --manager tcp://THIS-HOST:9401 --join {token}")
+    print(token)
+    return 0
+
+
+def run_node_rm_command(args: argparse.Namespace) -> int:
+    """``gpumgr node rm NAME``: ``DELETE /v1/nodes/NAME`` on the manager's API."""
+    from gpumgr.plugin.docker_gpu import Manager as ApiClient
+    from gpumgr.plugin.docker_gpu import PluginError
+
+    try:
+        ApiClient(args.manager_url).call("DELETE", f"/v1/nodes/{args.name}")
+    except PluginError as exc:
+        print(f"gpumgr node rm: {exc}", file=sys.stderr)
+        return 1
+    print(f"forgot node {args.name}; its agent must join again to come back")
+    return 0
+
+
 def start_manager(settings: ManagerSettings) -> tuple[Any, Any]:
     """Start the manager's link and build (not run) its WSGI server; refuses an open API without a token."""
-    from waitress import create_server
+    from waitress import create_server  # type: ignore[attr-defined]  # the stubs miss this public function
 
     from gpumgr.manager.app import create_app
     from gpumgr.manager.service import Manager
 
     host, port = split_hostport(settings.api, defaults.API_PORT)
-    if settings.token is None and not _is_loopback(host):
-        raise ValueError(f"the API on {host} would let anyone start containers: set a token (--token or GPUMGR_TOKEN)"
-                         " or listen on loopback")
+    if not settings.token and not _is_loopback(host):
+        raise ValueError(f"the API on {host} would let anyone start containers: set a non-empty token (--token, "
+                         "GPUMGR_TOKEN or 'token' in the config file) or listen on loopback")
     manager = Manager(settings)
     manager.start()
     server = create_server(create_app(manager), host=host, port=port, threads=settings.threads, ident="gpumgr")
@@ -151,16 +205,19 @@ def build_agent(settings: AgentSettings) -> Any:
     from gpumgr.agent import procmap
     from gpumgr.agent.agent import Agent, build_runtime
     from gpumgr.agent.gpus import open_source
+    from gpumgr.agent.identity import load_identity
 
     procmap.set_root(settings.proc_root)
     source = open_source(settings.gpus, seed=settings.node)
+    identity = load_identity(settings.state_dir, settings.node, settings.join_token)
     holder: list[Agent] = []
     runtime = build_runtime(settings.runtime, lambda m: holder[0].report_change(m), network_mode=settings.network_mode,
                             device_requests=settings.device_requests, gpu_kind=source.kind,
                             log_dir=settings.process_log_dir, mps=settings.mps, node=settings.node)
     hook = settings.hook_socket if runtime.kind == "docker" else None
-    agent = Agent(settings.node, settings.manager, source, runtime, heartbeat_interval=settings.heartbeat_interval,
-                  enforcement=settings.enforcement(), hook_socket=hook or None)
+    agent = Agent(settings.node, settings.manager, source, runtime, identity,
+                  heartbeat_interval=settings.heartbeat_interval, enforcement=settings.enforcement(),
+                  hook_socket=hook or None, join_timeout=settings.join_timeout)
     holder.append(agent)
     return agent
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from flask import Blueprint, Response, current_app, jsonify, request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StrictStr, ValidationError
@@ -29,7 +29,7 @@ def _memory(value: Any) -> int:
         raise ValueError(str(exc)) from None
 
 
-def _command(value: Any) -> list[str]:
+def _command(value: Any) -> Any:
     if isinstance(value, str):
         return shlex.split(value)
     return value
@@ -54,7 +54,7 @@ class CreateContainer(BaseModel):
 
 def manager() -> Manager:
     """The manager behind the running app."""
-    return current_app.extensions["gpumgr.manager"]
+    return cast(Manager, current_app.extensions["gpumgr.manager"])
 
 
 @bp.post("/containers")
@@ -105,6 +105,12 @@ def delete_container(cid: str) -> Response:
 def list_nodes() -> Response:
     """The machine × GPU map."""
     return Response(manager().cluster.nodes_json(), mimetype="application/json")
+
+
+@bp.delete("/nodes/<name>")
+def delete_node(name: str) -> Response:
+    """Forget a node that is down and its agent's binding (409 while it is up, 404 if unknown)."""
+    return jsonify(manager().forget_node(name))
 
 
 @bp.get("/events")

@@ -6,6 +6,7 @@ import hmac
 from typing import Any
 
 from flask import Flask, Response, jsonify, request
+from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException
 
 from gpumgr.manager import api
@@ -18,8 +19,8 @@ OPEN_PATHS = frozenset({"/healthz"})
 def create_app(manager: Manager, test_config: dict[str, Any] | None = None) -> Flask:
     """Build the REST app around a started or unstarted ``manager``."""
     app = Flask("gpumgr")
-    app.config.update(JSON_SORT_KEYS=False, MAX_CONTENT_LENGTH=1024 * 1024)
-    app.json.sort_keys = False
+    app.config.update(MAX_CONTENT_LENGTH=1024 * 1024)
+    app.json = _UnsortedJson(app)
     app.config.update(test_config or {})
     app.extensions["gpumgr.manager"] = manager
     app.register_blueprint(api.bp)
@@ -30,18 +31,27 @@ def create_app(manager: Manager, test_config: dict[str, Any] | None = None) -> F
     return app
 
 
+class _UnsortedJson(DefaultJSONProvider):
+    """Keep keys in the order the views build them (id first, detail last) instead of sorting them."""
+
+    sort_keys = False
+
+
 def healthz(manager: Manager) -> Response:
     """Liveness plus a short summary: is the manager serving, and how many nodes are ready."""
     return jsonify({"status": "ok", "nodes_ready": manager.cluster.ready_nodes()})
 
 
 def _authorize(token: str | None) -> tuple[Response, int] | None:
-    if token is None or request.path in OPEN_PATHS:
+    """Only ``Authorization: Bearer <token>`` opens the API when it has a token (compared in constant time)."""
+    if not token or request.path in OPEN_PATHS:
         return None
-    given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-    if hmac.compare_digest(given.encode(), token.encode()):
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode()):
         return None
-    return _error("unauthorized", "send 'Authorization: Bearer <token>' with the manager's token", 401)
+    response, status = _error("unauthorized", "send 'Authorization: Bearer <token>' with the manager's token", 401)
+    response.headers["WWW-Authenticate"] = 'Bearer realm="gpumgr"'
+    return response, status
 
 
 def _gpumgr_error(exc: GpumgrError) -> tuple[Response, int]:

@@ -21,7 +21,7 @@ from gpumgr.manager.events import EventLog
 from gpumgr.manager.scheduler import FreeIndex, GpuSlot, Placement, Request, place
 from gpumgr.manager.views import container_view, node_view
 from gpumgr.wire import defaults
-from gpumgr.wire.errors import NotFound
+from gpumgr.wire.errors import GpuConflict, NotFound
 from gpumgr.wire.names import LIVE, EventType, Label, State
 from gpumgr.wire.protocol import ContainerReport, GpuInfo, GpuSample
 from gpumgr.wire.units import format_bytes
@@ -115,8 +115,13 @@ class Cluster:
     # --- nodes -------------------------------------------------------------------------------
     def register(self, name: str, routing_id: bytes, runtime: str, gpus: list[GpuInfo],
                  containers: list[ContainerReport]) -> list[str]:
-        """Add or refresh a node with its GPUs and adopt its containers; return grants to remove there."""
+        """Add or refresh a node with its GPUs and adopt its containers; return grants to remove there.
+
+        Raises GpuConflict, changing nothing, if another live node holds one of the GPUs: two agents
+        reading the same NVML devices would otherwise corrupt the free-memory index and overbook.
+        """
         with self._lock:
+            self._check_gpus_free(name, gpus)
             node = self._nodes.get(name)
             if node is not None:
                 self._set_ready(node, False, quiet=True)
@@ -141,6 +146,23 @@ class Cluster:
                     gpu.used, gpu.unmanaged = sample.memory_used, sample.memory_unmanaged
                     self._index.update(gpu)
             return self._reconcile(node, containers)
+
+    def forget_node(self, name: str) -> bool:
+        """Remove a node that is down from the map; its live grants end as ``removed``. False if unknown."""
+        with self._lock:
+            node = self._nodes.get(name)
+            if node is None:
+                return False
+            self._set_ready(node, False, quiet=True)
+            for record in [c for c in self._containers.values() if c.node == name and c.state in LIVE]:
+                self._finish(record, State.REMOVED, "its node was forgotten", None, {})
+            for gpu in node.gpus:
+                if self._gpus.get(gpu.uuid) is gpu:
+                    del self._gpus[gpu.uuid]
+            del self._nodes[name]
+            self._map_version += 1
+        self.events.record(EventType.NODE_DOWN, f"node {name} was forgotten", node=name)
+        return True
 
     def sweep(self, now: float | None = None) -> list[str]:
         """Mark nodes silent for longer than ``down_after`` as down; return their names."""
@@ -298,6 +320,14 @@ class Cluster:
             self._gpus[info.uuid] = gpu
         gpu.index, gpu.total, gpu.name = info.index, info.memory_total, info.name
         return gpu
+
+    def _check_gpus_free(self, name: str, gpus: list[GpuInfo]) -> None:
+        for info in gpus:
+            gpu = self._gpus.get(info.uuid)
+            other = self._nodes.get(gpu.node) if gpu is not None and gpu.node != name else None
+            if other is not None and other.ready:
+                raise GpuConflict(f"GPU {info.uuid} is already held by node {other.name}, which is up: two agents "
+                                  "read the same GPUs; stop one of them (or remove the other node once it is down)")
 
     def _set_ready(self, node: Node, ready: bool, *, quiet: bool = False) -> None:
         self._map_version += 1

@@ -16,6 +16,7 @@ class ManagerSettings(Settings):
     api: str = f"{defaults.API_HOST}:{defaults.API_PORT}"
     agents: str = defaults.AGENTS_ENDPOINT
     token: str | None = None
+    state_dir: str | None = None
     placement: Literal["spread", "binpack"] = defaults.PLACEMENT
     on_overrun: Literal["kill", "stop", "report"] = "kill"
     headroom: Annotated[int, BeforeValidator(size)] = 0

@@ -1,8 +1,10 @@
-"""The manager's end of the agent link: a ROUTER socket owned by one thread of the shared link loop.
+"""The manager's end of the agent link: a CURVE-server ROUTER owned by one thread of the shared link loop.
 
 Incoming requests and reports go to the manager's handler, called on the owner thread, which must
-be quick (it only updates the in-memory map). Everything else (the outbox, the wake-up pipe,
-replies tied to requests, malformed frames dropped) is :class:`gpumgr.wire.link.Link`'s.
+be quick (it only updates the in-memory map). Each carries the sender's proven key; the handler
+decides what that key may say. Everything else (the outbox, the wake-up pipe, replies tied to
+requests, malformed frames dropped) is :class:`gpumgr.wire.link.Link`'s. The link has a ZeroMQ
+context of its own, because a context has one ZAP handler and it must be this manager's.
 """
 
 from __future__ import annotations
@@ -10,24 +12,45 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
-from gpumgr.wire import defaults
+from gpumgr.wire import defaults, security
 from gpumgr.wire.link import Handler, Link, LinkHooks
 
 
 class ManagerLink(Link):
-    """Bind ``endpoint`` and route frames to and from agents."""
+    """Bind ``endpoint`` as a CURVE server with ``keys`` and route frames to and from agents."""
 
-    def __init__(self, endpoint: str, handler: Handler, *, tick: float = defaults.LINK_TICK,
-                 on_tick: Callable[[], None] | None = None) -> None:
+    def __init__(self, endpoint: str, handler: Handler, keys: security.KeyPair, *,
+                 tick: float = defaults.LINK_TICK, on_tick: Callable[[], None] | None = None) -> None:
         hooks = LinkHooks(on_tick=_every_tick(on_tick)) if on_tick is not None else None
-        super().__init__(zmq.ROUTER, endpoint, handler, bind=True, configure=_router_options, tick=tick,
-                         hooks=hooks, name="agent-link")
+        self._auth: ThreadAuthenticator | None = None
+        super().__init__(zmq.ROUTER, endpoint, handler, bind=True, configure=lambda s: _router_options(s, keys),
+                         context=zmq.Context(), tick=tick, hooks=hooks, name="agent-link")
+
+    def start(self) -> None:
+        """Start the ZAP handler, then bind."""
+        self._auth = security.start_authenticator(self._ctx)
+        try:
+            super().start()
+        except BaseException:
+            self._auth.stop()
+            raise
+
+    def stop(self) -> None:
+        """Close the socket and the ZAP handler."""
+        super().stop()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
 
 
-def _router_options(sock: zmq.Socket[bytes]) -> None:
-    """Fail a send to an agent that is gone at once instead of queueing it for nobody."""
+def _router_options(sock: zmq.Socket[bytes], keys: security.KeyPair) -> None:
+    """CURVE on every frame; a send to an agent that is gone fails at once instead of queueing for nobody."""
+    security.serve_curve(sock, keys)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    # agents reconnect under a fresh routing id; a stale one should not hold a send for long
+    sock.setsockopt(zmq.SNDTIMEO, 0)
 
 
 def _every_tick(work: Callable[[], None]) -> Callable[[], float | None]:

@@ -6,12 +6,13 @@ import logging
 import time
 from typing import Any
 
+from gpumgr.manager.admission import Admission
 from gpumgr.manager.cluster import Cluster, PlacementSpec
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.events import EventLog
 from gpumgr.manager.link import ManagerLink
 from gpumgr.wire import defaults, protocol
-from gpumgr.wire.errors import AgentFailed, AgentTimeout, GpumgrError, NoAgents
+from gpumgr.wire.errors import AgentFailed, AgentTimeout, Conflict, GpumgrError, NoAgents, NotFound
 from gpumgr.wire.link import Peer
 from gpumgr.wire.names import LIVE, EventType, Label, State
 
@@ -26,7 +27,9 @@ class Manager:
         self.events = EventLog()
         self.cluster = Cluster(self.events, headroom=settings.headroom,
                                down_after=settings.heartbeat_interval * settings.heartbeat_liveness)
-        self.link = ManagerLink(settings.agents, self._on_message, tick=settings.heartbeat_interval / 2,
+        self.admission = Admission(settings.state_dir)
+        self.link = ManagerLink(settings.agents, self._on_message, self.admission.keys,
+                                tick=settings.heartbeat_interval / 2,
                                 on_tick=self._on_tick)
         self._next_sweep = 0.0
 
@@ -75,6 +78,17 @@ class Manager:
             self._remove_on_node(record.node, record.id)
         return self.cluster.view(self.cluster.finish(cid, State.REMOVED, reason=record.reason))
 
+    def forget_node(self, name: str) -> dict[str, Any]:
+        """Forget a node that is down, with its binding: its agent must join again to come back."""
+        if self.cluster.node_ready(name):
+            raise Conflict(f"node {name} is up; stop its agent first, then forget it")
+        known = self.cluster.forget_node(name)
+        bound = self.admission.forget(name)
+        if not (known or bound):
+            raise NotFound(f"no node named {name!r}")
+        log.info("forgot node %s and its binding", name)
+        return {"name": name, "forgotten": True}
+
     def _remove_on_node(self, node: str, grant: str) -> None:
         if not self.cluster.node_ready(node):
             raise NoAgents(f"node {node} is down; its container is removed when the node comes back")
@@ -86,32 +100,74 @@ class Manager:
 
     # --- link handlers (link thread) ---------------------------------------------------------
     def _on_message(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Message) -> None:
+        """Route one message from an agent; nothing reaches the map unless the sender's key speaks for its node."""
+        if isinstance(message, protocol.Join):
+            self._join(peer, envelope, message)
+            return
+        node = self._speaker(peer, envelope, message)
+        if node is None:
+            return
         routing_id = peer.routing_id
         if isinstance(message, protocol.Heartbeat):
-            removals = self.cluster.heartbeat(message.node, routing_id, message.gpus, message.containers)
+            removals = self.cluster.heartbeat(node, routing_id, message.gpus, message.containers)
             if removals is None:
                 self.link.send(routing_id, protocol.Reregister())
             self._send_removals(routing_id, removals or [])
         elif isinstance(message, protocol.Register):
-            removals = self.cluster.register(message.node, routing_id, message.runtime, message.gpus,
-                                             message.containers)
-            interval = self.settings.heartbeat_interval
-            self.link.send(routing_id, protocol.Registered(heartbeat_interval=interval), reply_to=envelope.id)
-            self._send_removals(routing_id, removals)
-            log.info("node %s registered with %d GPUs", message.node, len(message.gpus))
+            self._register(peer, envelope, message)
         elif isinstance(message, protocol.ContainerEvent):
-            self._on_container_event(message)
+            self._on_container_event(node, message)
         elif isinstance(message, protocol.Reserve):
+            message.node = node
             self.link.send(routing_id, self._reserve(message), reply_to=envelope.id)
         else:
-            log.warning("dropped an unexpected %s message from an agent", envelope.type)
+            log.warning("dropped an unexpected %s message from node %s", envelope.type, node)
 
-    def _on_container_event(self, event: protocol.ContainerEvent) -> None:
+    def _speaker(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Message) -> str | None:
+        """The node ``peer``'s key is bound to, if the message speaks only for it; else None (dropped, logged)."""
+        node = self.admission.node_of(peer.key)
+        if node is None:
+            log.warning("dropped %s from key %s, which was never admitted (an agent joins with a token first)",
+                        envelope.type, peer.key[:8] or "(none)")
+            return None
+        claimed = getattr(message, "node", "") or node
+        if claimed != node:
+            log.warning("dropped %s from node %s's key: it speaks for node %s", envelope.type, node, claimed)
+            return None
+        return node
+
+    def _join(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Join) -> None:
+        try:
+            self.admission.admit(peer.key, message.node, message.proof)
+        except GpumgrError as exc:
+            log.warning("refused an agent joining as node %s: %s", message.node, exc.message)
+            reply = protocol.Reply(ok=False, error=protocol.ErrorBody(code=exc.code, message=exc.message))
+        else:
+            reply = protocol.Reply(ok=True, result={"node": message.node})
+        self.link.send(peer.routing_id, reply, reply_to=envelope.id)
+
+    def _register(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Register) -> None:
+        try:
+            removals = self.cluster.register(message.node, peer.routing_id, message.runtime, message.gpus,
+                                             message.containers)
+        except GpumgrError as exc:
+            log.warning("refused the registration of node %s: %s", message.node, exc.message)
+            self.link.send(peer.routing_id, protocol.Refused(code=exc.code, message=exc.message), reply_to=envelope.id)
+            return
+        interval = self.settings.heartbeat_interval
+        self.link.send(peer.routing_id, protocol.Registered(heartbeat_interval=interval), reply_to=envelope.id)
+        self._send_removals(peer.routing_id, removals)
+        log.info("node %s registered with %d GPUs", message.node, len(message.gpus))
+
+    def _on_container_event(self, node: str, event: protocol.ContainerEvent) -> None:
         report = event.container
         try:
             record = self.cluster.get(report.grant)
         except GpumgrError:
-            log.info("event for unknown grant %s on %s; its heartbeat will adopt it", report.grant, event.node)
+            log.info("event for unknown grant %s on %s; its heartbeat will adopt it", report.grant, node)
+            return
+        if record.node != node:
+            log.warning("dropped an event from node %s about grant %s of node %s", node, record.id, record.node)
             return
         overrun = event.detail.get("overrun")
         if isinstance(overrun, dict):

@@ -6,7 +6,7 @@ import threading
 
 import zmq
 
-from gpumgr.wire import protocol
+from gpumgr.wire import protocol, security
 
 GiB = 1 << 30
 
@@ -18,17 +18,22 @@ class FakeAgent:
     ``"silent"`` (never answer). Everything it receives is kept in ``received``.
     """
 
-    def __init__(self, endpoint: str, node: str = "fake", gpus: int = 2, size: int = 24 * GiB,
-                 behaviour: str = "ok") -> None:
+    def __init__(self, endpoint: str, token: str, node: str = "fake", gpus: int = 2, size: int = 24 * GiB,
+                 behaviour: str = "ok", keys: security.KeyPair | None = None, gpu_prefix: str | None = None) -> None:
         self.node = node
         self.behaviour = behaviour
-        self.gpus = [protocol.GpuInfo(uuid=f"GPU-{node}-{i}", index=i, name="Fake", memory_total=size)
+        prefix = gpu_prefix or node
+        self.gpus = [protocol.GpuInfo(uuid=f"GPU-{prefix}-{i}", index=i, name="Fake", memory_total=size)
                      for i in range(gpus)]
         self.received: list[protocol.Message] = []
         self.reports: dict[str, protocol.ContainerReport] = {}
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        server_public, self.join_secret = security.parse_token(token)
+        self.keys = keys or security.KeyPair.generate()
+        security.connect_curve(self.socket, self.keys, server_public)
         self.socket.connect(endpoint)
+        self.joined = False
         self._lock = threading.Lock()
 
     def send(self, message: protocol.Message, reply_to: str | None = None) -> None:
@@ -42,7 +47,18 @@ class FakeAgent:
             else:
                 self.socket.send(frame)
 
+    def join(self, secret: str | None = None, node: str | None = None) -> protocol.Reply:
+        """Prove the join secret (or ``secret``) for ``node`` (default: ours) and return the manager's answer."""
+        proof = security.join_proof(secret or self.join_secret, self.keys.public, node or self.node)
+        self.send(protocol.Join(node=node or self.node, proof=proof))
+        reply = self.expect(protocol.Reply)
+        self.joined = self.joined or reply.ok
+        return reply
+
     def register(self) -> protocol.Registered:
+        if not self.joined:
+            reply = self.join()
+            assert reply.ok, reply.error
         self.send(protocol.Register(node=self.node, runtime="docker", gpus=self.gpus,
                                     containers=list(self.reports.values())))
         return self.expect(protocol.Registered)

@@ -85,9 +85,17 @@ class ManagerProc(Proc):
         self.url = f"http://127.0.0.1:{self.api_port}"
         self.endpoint = f"tcp://127.0.0.1:{self.agent_port}"
         self.http = requests.Session()
-        super().__init__(["manager", "--api", f"127.0.0.1:{self.api_port}", "--agents", self.endpoint, *extra],
+        self.state_dir = tmp / f"manager-state-{self.api_port}"
+        super().__init__(["manager", "--api", f"127.0.0.1:{self.api_port}", "--agents", self.endpoint,
+                          "--state-dir", str(self.state_dir), *extra],
                          tmp / f"manager-{self.api_port}.log", env)
         wait_for(self._healthy, START_TIMEOUT, what=f"manager to answer:\n{self.output}")
+
+    def token(self) -> str:
+        """The join token, as ``gpumgr join-token`` prints it (read from the same state directory)."""
+        from gpumgr.manager.admission import Admission
+
+        return Admission(self.state_dir).token()
 
     def _healthy(self) -> bool:
         if self.popen.poll() is not None:
@@ -127,14 +135,18 @@ class AgentProc(Proc):
     """``gpumgr agent`` for one node, started and waited for until its node is ready."""
 
     def __init__(self, tmp: Path, manager: ManagerProc, node: str, gpus: str = "sim:2x24GiB",
-                 runtime: str = "docker", env: dict[str, str] | None = None, wait: bool = True) -> None:
+                 runtime: str = "docker", env: dict[str, str] | None = None, wait: bool = True,
+                 state_dir: Path | None = None, join: bool = True) -> None:
         self.node = node
         self.manager = manager
         TEST_NODES.add(node)
         self.hook_socket = os.path.join(tempfile.mkdtemp(prefix="gpumgr-"), "hook.sock")
         env = {"GPUMGR_NETWORK_MODE": "none", "GPUMGR_HOOK_SOCKET": self.hook_socket, **(env or {})}
+        self.state_dir = state_dir or tmp / f"agent-state-{node}"
+        joining = ["--join", manager.token()] if join else []
         super().__init__(["agent", "--manager", manager.endpoint, "--node", node, "--gpus", gpus,
-                          "--runtime", runtime], tmp / f"agent-{node}.log", env)
+                          "--runtime", runtime, "--state-dir", str(self.state_dir), *joining],
+                         tmp / f"agent-{node}.log", env)
         if wait:
             self.wait_ready()
 

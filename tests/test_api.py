@@ -16,8 +16,9 @@ from tests.procs import wait_for
 
 
 @pytest.fixture
-def stack():
-    manager = Manager(ManagerSettings(agents="tcp://127.0.0.1:0", create_timeout=1.0, heartbeat_interval=0.2))
+def stack(tmp_path):
+    manager = Manager(ManagerSettings(agents="tcp://127.0.0.1:0", create_timeout=1.0, heartbeat_interval=0.2,
+                                      state_dir=str(tmp_path / "state")))
     manager.start()
     app = create_app(manager)
     stop = threading.Event()
@@ -25,7 +26,7 @@ def stack():
     threads: list[threading.Thread] = []
 
     def add_agent(node: str = "fake", **kw) -> FakeAgent:
-        agent = FakeAgent(manager.link.bound_endpoint, node=node, **kw)
+        agent = FakeAgent(manager.link.bound_endpoint, manager.admission.token(), node=node, **kw)
         agent.register()
         threads.append(agent.serve(stop))
         agents.append(agent)
@@ -187,18 +188,23 @@ def test_malformed_agent_messages_are_dropped_and_the_link_keeps_serving(stack) 
 
 def test_unknown_node_heartbeat_gets_reregister(stack) -> None:
     manager, _, _ = stack
-    agent = FakeAgent(manager.link.bound_endpoint, node="stranger")
+    agent = FakeAgent(manager.link.bound_endpoint, manager.admission.token(), node="stranger")
     try:
+        assert agent.join().ok  # admitted, but never registered
         agent.heartbeat()
         agent.expect(Reregister)
     finally:
         agent.close()
 
 
-def test_token_is_required_when_configured() -> None:
-    manager = Manager(ManagerSettings(agents="tcp://127.0.0.1:0", token="s3cret"))
+def test_token_is_required_when_configured(tmp_path) -> None:
+    manager = Manager(ManagerSettings(agents="tcp://127.0.0.1:0", token="s3cret", state_dir=str(tmp_path)))
     client = create_app(manager).test_client()
-    assert client.get("/v1/nodes").status_code == 401
+    refused = client.get("/v1/nodes")
+    assert refused.status_code == 401 and refused.headers["WWW-Authenticate"].startswith("Bearer")
+    assert refused.json["error"]["code"] == "unauthorized"
     assert client.get("/v1/nodes", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.get("/v1/nodes", headers={"Authorization": "s3cret"}).status_code == 401  # the raw token
+    assert client.get("/v1/nodes", headers={"Authorization": "Basic s3cret"}).status_code == 401
     assert client.get("/v1/nodes", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert client.get("/healthz").status_code == 200

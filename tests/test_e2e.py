@@ -154,7 +154,8 @@ def test_process_runtime_pins_host_processes(tmp_path, manager):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["manager", "--api", "0.0.0.0:0"], "set a token"),
+    (["manager", "--api", "0.0.0.0:0"], "set a non-empty token"),
+    (["manager", "--api", "0.0.0.0:0", "--token", ""], "set a non-empty token"),
     (["agent", "--gpus", "sim:banana"], "spec"),
     (["manager", "--config", "/no/such.yaml"], "does not exist"),
 ])

@@ -88,9 +88,91 @@ def test_the_agent_drops_bad_hook_requests_and_keeps_serving(docker_agent):
     wrong_type = envelope.frame(envelope.pack("heartbeat", {"node": "x", "gpus": [], "containers": []}))
     reply = envelope.unpack(_raw_exchange(path, wrong_type)[envelope.FRAME_HEADER.size:])
     assert reply["body"]["ok"] is False and reply["body"]["error"]["code"] == "protocol_error"
-    with pytest.raises(Refused, match="no GPU on node"):  # a real request still gets a real answer
-        ask_agent({"container_id": "c" * 64, "gpu_memory": 1 << 50, "gpus": 1, "name": "", "image": "",
-                   "labels": {}, "on_overrun": None, "node": ""}, path)
+    with pytest.raises(Refused, match="no container"):  # a container the engine does not know gets nothing
+        ask_agent(_reserve("c" * 64, 1 << 30), path)
     assert docker_agent.popen.poll() is None
     log = docker_agent.output()
     assert "dropped a malformed message from the runtime hook" in log and "over the" in log
+
+
+def _reserve(container_id: str, memory: int) -> dict:
+    return {"container_id": container_id, "gpu_memory": memory, "gpus": 1, "name": "", "image": "",
+            "labels": {}, "on_overrun": None, "node": ""}
+
+
+@pytest.mark.docker
+def test_the_agent_takes_the_request_from_the_engine_not_from_the_hook(docker_agent, docker_client, test_image):
+    """What a hook request claims counts for nothing: the grant follows the container's own configuration."""
+    from gpumgr.plugin.hook import Refused, ask_agent
+
+    huge = docker_client.containers.create(test_image, ["true"], network_mode="none",
+                                           environment={"GPUMGR_REQUEST_MEMORY": str(1 << 50)},
+                                           labels={"gpumgr.node": docker_agent.node})
+    plain = docker_client.containers.create(test_image, ["true"], network_mode="none",
+                                            labels={"gpumgr.node": docker_agent.node})
+    try:
+        with pytest.raises(Refused, match="no GPU on node"):  # the engine says 1 PiB, whatever the hook says
+            ask_agent(_reserve(huge.id, 1), docker_agent.hook_socket)
+        with pytest.raises(Refused, match="asks for no valid GPU memory"):  # no request in its configuration
+            ask_agent(_reserve(plain.id, 1 << 30), docker_agent.hook_socket)
+        nodes = docker_agent.manager.get("/v1/containers").json()["containers"]
+        assert nodes == []  # nothing was reserved for either
+    finally:
+        huge.remove(force=True)
+        plain.remove(force=True)
+
+
+def test_the_hook_socket_is_for_root_only(tmp_path):
+    import os
+    import stat
+
+    from gpumgr.agent.hooklink import HookListener
+
+    path = tmp_path / "run" / "agent.sock"
+    listener = HookListener(str(path), 1.0)
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+    finally:
+        listener.close()
+
+
+@pytest.mark.docker
+def test_the_agent_refuses_hook_connections_from_other_users_even_if_the_mode_is_loosened(docker_agent):
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as another user")
+    os.chmod(docker_agent.hook_socket, 0o666)
+    os.chmod(os.path.dirname(docker_agent.hook_socket), 0o755)
+    assert _recv_as_nobody(docker_agent.hook_socket) == b""  # accepted by the kernel, closed by the agent at once
+    assert "refused a runtime hook connection" in docker_agent.output()
+
+
+def _recv_as_nobody(path: str) -> bytes:
+    """Connect to ``path`` from a child process running as user ``nobody``; what it read before the close."""
+    import os
+    import pwd
+    import socket as sockets
+
+    nobody = pwd.getpwnam("nobody")
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop to nobody, connect, report what came back
+        try:
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+            with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as sock:
+                sock.settimeout(5)
+                sock.connect(path)
+                os.write(write_end, b"ok:" + sock.recv(100))
+        except BaseException as exc:
+            os.write(write_end, f"error:{exc}".encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    with os.fdopen(read_end, "rb") as pipe:
+        result = pipe.read()
+    assert result.startswith(b"ok:"), result
+    return result[3:]

@@ -30,6 +30,8 @@ EXAMPLES = [
     protocol.ContainerEvent(node="n1", container=REPORT, detail={"observed": 7}),
     protocol.Reserve(container_id="c" * 64, gpu_memory=1 << 30, name="infer.1.abc", labels={"gpumgr.task": "t"},
                      node="n1"),
+    protocol.Join(node="n1", proof="0" * 64),
+    protocol.Refused(code="gpu_conflict", message="GPU-1 is held by node n2"),
     protocol.Reply(ok=True, result={"x": 1}),
     protocol.Reply(ok=False, error=protocol.ErrorBody(code="agent_failed", message="no image")),
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 API_HOST = "127.0.0.1"
 API_PORT = 9400
 AGENTS_ENDPOINT = "tcp://127.0.0.1:9401"
@@ -46,6 +48,9 @@ EVENT_RETRY = 1.0
 #: Hook connections served at once; more are accepted and closed at once.
 HOOK_MAX_CONNECTIONS = 256
 
+#: How long a joining agent waits for the manager's answer before it gives up and says why.
+JOIN_TIMEOUT = 30.0
+
 #: Agent reconnect backoff: starts small, doubles, capped.
 RECONNECT_MIN = 0.1
 RECONNECT_MAX = 5.0
@@ -72,4 +77,4 @@ MAP_MAX_AGE = 0.5
 
 #: Spec used by ``--gpus auto`` when no NVIDIA driver answers.
 SIM_SPEC = "sim:2x24GiB"
-PLACEMENT = "spread"
+PLACEMENT: Final = "spread"

@@ -51,6 +51,20 @@ class NoFit(GpumgrError):
     status = 409
 
 
+class Conflict(GpumgrError):
+    """The request conflicts with the cluster's current state (e.g. removing a node that is up); see the message."""
+
+    code = "conflict"
+    status = 409
+
+
+class GpuConflict(GpumgrError):
+    """A registering node reports a GPU that another live node already holds; one of the two agents must go."""
+
+    code = "gpu_conflict"
+    status = 409
+
+
 class NoAgents(GpumgrError):
     """No agent is registered and ready; start one with ``gpumgr agent``."""
 

@@ -86,6 +86,26 @@ class ContainerSpec(_Model):
     created_at: float = 0.0
 
 
+class Join(Message):
+    """Agent → manager, once: admit my key (the link's CURVE key) as node ``node``; answered by a Reply.
+
+    ``proof`` is :func:`gpumgr.wire.security.join_proof` of the join token's secret; the secret itself
+    never crosses the wire. It is the only message the manager takes from a key it has not admitted.
+    """
+
+    TYPE: ClassVar[str] = "join"
+    node: str = Field(min_length=1, max_length=253)
+    proof: str = Field(min_length=64, max_length=64)
+
+
+class Refused(Message):
+    """Manager → agent: your registration is refused and retrying will not help; ``message`` says why."""
+
+    TYPE: ClassVar[str] = "refused"
+    code: str = Field(max_length=64)
+    message: str = Field(max_length=4096)
+
+
 class Register(Message):
     """Agent → manager on connect: who I am, my GPUs, and the managed containers I already run."""
 
