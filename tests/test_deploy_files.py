@@ -20,7 +20,8 @@ def stack() -> dict:
     if shutil.which("docker") is None:
         pytest.fail("the docker CLI is needed to check the stack file")
     result = subprocess.run(["docker", "stack", "config", "-c", str(SWARM / "stack.yml")], capture_output=True,
-                            text=True, env={**os.environ, "GPUMGR_TOKEN": "t0ken"}, check=True)
+                            text=True, env={**os.environ, "GPUMGR_TOKEN": "t0ken", "GPUMGR_JOIN_TOKEN": "j0in"},
+                            check=True)
     return yaml.safe_load(result.stdout)
 
 
@@ -40,13 +41,21 @@ def test_stack_runs_a_global_agent_with_the_docker_socket_and_host_processes(sta
     assert mounts["/host/proc"] == "/proc" and agent["environment"]["GPUMGR_PROC_ROOT"] == "/host/proc"
     assert mounts["/run/gpumgr"] == "/run/gpumgr"
     assert agent["command"] == ["agent", "--manager", "tcp://manager:9401"]
+    # it joins once with the token, keeps its key on the host, and reads the engine's container records
+    assert agent["environment"]["GPUMGR_JOIN_TOKEN"] == "j0in" and mounts["/var/lib/gpumgr"] == "/var/lib/gpumgr"
+    assert mounts["/var/lib/docker/containers"] == "/var/lib/docker/containers"
+    manager = {m["target"]: m["source"] for m in stack["services"]["manager"]["volumes"]}
+    assert manager["/var/lib/gpumgr"] == "gpumgr-state"
 
 
 def test_stack_refuses_to_deploy_without_a_token() -> None:
     env = {k: v for k, v in os.environ.items() if k != "GPUMGR_TOKEN"}
     result = subprocess.run(["docker", "stack", "config", "-c", str(SWARM / "stack.yml")], capture_output=True,
-                            text=True, env=env)
+                            text=True, env={**env, "GPUMGR_JOIN_TOKEN": "j0in"})
     assert result.returncode != 0 and "GPUMGR_TOKEN" in result.stderr
+    result = subprocess.run(["docker", "stack", "config", "-c", str(SWARM / "stack.yml")], capture_output=True,
+                            text=True, env={**env, "GPUMGR_TOKEN": "t0ken"})
+    assert result.returncode != 0 and "GPUMGR_JOIN_TOKEN" in result.stderr
 
 
 def test_dockerfile_copies_every_package_and_runs_gpumgr() -> None:
