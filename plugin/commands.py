@@ -1,4 +1,4 @@
-"""``gpumgr plugin ...``: set up a host for GPU Swarm services."""
+"""``gpumgr plugin ...``: set up a host for GPU Swarm services, and take that set-up away again."""
 
 from __future__ import annotations
 
@@ -8,9 +8,13 @@ from gpumgr.plugin import install
 
 
 def add_plugin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``gpumgr plugin install`` on the ``gpumgr`` parser."""
+    """Register ``gpumgr plugin install`` and ``gpumgr plugin uninstall`` on the ``gpumgr`` parser."""
     plugin = sub.add_parser("plugin", help="set up the docker gpu CLI plugin and the Swarm runtime hook")
     actions = plugin.add_subparsers(required=True, metavar="ACTION")
     setup = actions.add_parser("install", help="install the CLI plugin and the OCI runtime hook on this host")
     install.add_arguments(setup)
     setup.set_defaults(func=install.install)
+    remove = actions.add_parser("uninstall", help="put the Docker engine back as it was before install and "
+                                                  "remove the CLI plugin and the runtime hook")
+    install.add_path_arguments(remove)
+    remove.set_defaults(func=install.uninstall)

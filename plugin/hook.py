@@ -53,12 +53,16 @@ def main(argv: list[str] | None = None) -> NoReturn:
     argv = sys.argv[1:] if argv is None else argv
     config = _config()
     command, position, log_file = split_command(argv)
+    granted = False
     if command == "create":
         try:
-            prepare(argv[position + 1:], config)
+            granted = prepare(argv[position + 1:], config)
         except Refused as exc:
             _fail(log_file, str(exc))
-    real = real_runtime(config)
+    # only a container that holds a grant goes to the GPU runtime, pinned to its GPUs; any other (one
+    # that merely mentions the request in its command, say) must not see every GPU through it
+    real = real_runtime(config) if granted else (os.environ.get(Env.RUNC) or config.get("plain_runtime")
+                                                 or real_runtime(config))
     os.execv(real, [real, *argv])
 
 
@@ -79,22 +83,26 @@ def split_command(argv: list[str]) -> tuple[str | None, int, str | None]:
     return None, len(argv), log_file
 
 
-def prepare(args: list[str], config: dict[str, Any]) -> None:
-    """For ``create ARGS``: if the bundle asks for GPU memory, get a grant and write it into the bundle."""
+def prepare(args: list[str], config: dict[str, Any]) -> bool:
+    """For ``create ARGS``: if the bundle asks for GPU memory, get a grant and write it into the bundle.
+
+    Returns whether it did (the container then holds a grant).
+    """
     bundle, container_id = _create_target(args)
     spec_path = Path(bundle) / "config.json"
     try:
         spec = json.loads(spec_path.read_text())
         env = _env_map(spec["process"].get("env", []))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return  # not a bundle we can read: the real runtime reports that in its own words
+        return False  # not a bundle we can read: the real runtime reports that in its own words
     if REQUEST_MEMORY not in env:
-        return
+        return False
     grant = ask_agent(_reserve_message(container_id, env), _socket_path(config))
     env.update(grant["env"])
     spec["process"]["env"] = [f"{k}={v}" for k, v in env.items()]
     spec.setdefault("annotations", {})[Label.GRANT] = grant["grant"]
     _write_atomically(spec_path, json.dumps(spec))
+    return True
 
 
 def ask_agent(request: dict[str, Any], socket_path: str, wait: float = WAIT_SECONDS) -> dict[str, Any]:

@@ -1,14 +1,52 @@
-"""``gpumgr plugin install``: the per-host set-up the Swarm design needs.
+"""``gpumgr plugin install`` and ``gpumgr plugin uninstall``: the per-host set-up the Swarm design needs.
 
-It writes two small launchers that run this installation's Python (so they work under dockerd's
-bare environment): ``gpumgr-runtime`` (the OCI runtime hook) and the ``docker-gpu`` CLI plugin;
-registers the hook with the Docker engine as runtime ``gpumgr`` and makes it the default runtime
-(Swarm services cannot choose a runtime); and remembers which real runtime to hand over to.
+``install`` writes two small launchers that run this installation's Python (so they work under
+dockerd's bare environment): ``gpumgr-runtime`` (the OCI runtime hook) and the ``docker-gpu`` CLI
+plugin; writes the hook's settings file (``--runtime-config``); registers the hook with the Docker
+engine as runtime ``gpumgr`` and makes it the default runtime (Swarm services cannot choose a
+runtime).
+
+**Which runtime runs what.** With the hook as the default runtime, every container on the node is
+created through it, so it must not hand them all to the NVIDIA runtime: that runtime exposes every
+GPU to any container whose image says ``NVIDIA_VISIBLE_DEVICES=all`` (every ``nvidia/cuda`` image),
+unmanaged. So the launcher splits the traffic before any Python starts:
+
+- the ``create`` of a container whose bundle asks for GPU memory (``GPUMGR_REQUEST_MEMORY`` in its
+  environment) goes to the hook, which gets a grant from the agent, pins ``NVIDIA_VISIBLE_DEVICES``
+  to the granted GPU and hands over to the *GPU runtime* (``--runtime``: the NVIDIA runtime when
+  installed, else runc), named as ``runtime`` in the settings file;
+- every other call (the ``create`` of every container that asks for nothing, and ``start``,
+  ``state``, ``kill``, ``delete``, ... of all containers) goes straight to the *plain runtime*
+  (``--plain-runtime``, default runc), which the launcher names itself: the fast path reads no
+  file but the bundle's ``config.json`` on ``create``, and starts one ``grep``.
+
+Only ``create`` differs between the two, so the GPU runtime must be a runc wrapper that changes the
+bundle at ``create`` and nothing after, as ``nvidia-container-runtime`` is. ``GPUMGR_RUNC`` in the
+engine's environment still overrides both (tests use it). The launcher exports
+``GPUMGR_RUNTIME_CONFIG`` with the settings file it was installed with, so the hook reads the GPU
+runtime and the agent's socket (``--hook-socket``) from there.
+
+**Safety.** Everything is read and checked before the first write: a malformed ``daemon.json``, or
+another ``default-runtime`` (say ``nvidia``) that installing would silently replace without
+``--force``, stops it with nothing written. Every file is written atomically (a temporary file in
+the same folder, fsync, rename, fsync of the folder), so a crash leaves the old or the new file,
+never a truncated one, and a launcher a runtime call is executing is never rewritten under it; if a
+write fails, those already made are undone. The first install that changes ``daemon.json`` keeps
+its original as ``daemon.json.before-gpumgr``, and the settings file records what the install did
+(whether it created ``daemon.json``, the default runtime it replaced, a digest of what it wrote).
+
+``uninstall`` undoes it: if ``daemon.json`` is still exactly what install wrote, it is restored
+byte for byte from the backup (or removed, if install created it); if it was edited since, only
+gpumgr's runtime is taken out and the replaced default runtime put back, and the edits are kept.
+Then the launchers (only those install wrote) and the settings file are removed. Running it again
+does nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import importlib.util
 import json
 import os
@@ -16,18 +54,27 @@ import shlex
 import shutil
 import signal
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpumgr.plugin.docker_gpu import METADATA
 from gpumgr.plugin.hook import CONFIG as RUNTIME_CONFIG
 from gpumgr.plugin.hook import DEFAULT_SOCKET, REQUEST_MEMORY, RUNTIME_CANDIDATES, SEARCH_PATH
+from gpumgr.wire.names import Env
 
 RUNTIME_NAME = "gpumgr"
 PACKAGE = "gpumgr"
+PLAIN_RUNTIME = "runc"
+#: The first line after ``#!``: uninstall removes only launchers that carry it.
+MARK = "# installed by 'gpumgr plugin install'"
+BACKUP_SUFFIX = ".before-gpumgr"
+#: The settings file's record of what install did, for uninstall.
+STATE_KEY = "installed"
 #: The CLI plugin: Docker asks every plugin for its metadata on many commands; answer that without Python.
 CLI_LAUNCHER = """#!/bin/sh
-# installed by 'gpumgr plugin install'
+{mark}
 if [ "$1" = docker-cli-plugin-metadata ]; then
   echo '{metadata}'
   exit 0
@@ -36,9 +83,11 @@ exec {python} -I -S -c {code} "$@"
 """
 #: The runtime hook is called for every runtime operation of every container on the node (state,
 #: start, kill, delete, ...). Only the ``create`` of a container whose bundle asks for GPU memory
-#: needs Python; everything else goes straight to the real runtime.
+#: needs Python (and the GPU runtime); everything else goes straight to the plain runtime.
 HOOK_LAUNCHER = """#!/bin/sh
-# installed by 'gpumgr plugin install': only GPU creates need gpumgr, everything else goes to {runtime}
+{mark}: only the creates of containers that ask gpumgr for GPU memory go
+# through gpumgr (and then to the GPU runtime its settings name); everything else goes to $plain
+plain={plain_q}
 skip=0
 command=
 for arg in "$@"; do
@@ -57,28 +106,43 @@ if [ "$command" = create ]; then
     case "$arg" in --bundle=*) bundle=${{arg#--bundle=}} ;; esac
     previous=$arg
   done
-  if grep -q '{marker}=' "$bundle/config.json" 2>/dev/null; then
+  if grep -q '"{marker}=' "$bundle/config.json" 2>/dev/null; then
+    {config_env}={config_q}
+    export {config_env}
     exec {python} -I -S -c {code} "$@"
   fi
 fi
-exec "${{GPUMGR_RUNC:-{runtime}}}" "$@"
+exec "${{{runc_env}:-$plain}}" "$@"
 """
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``gpumgr plugin install``."""
+class Refused(Exception):
+    """Install or uninstall cannot go ahead as asked; nothing has been written. The message says why."""
+
+
+def add_path_arguments(parser: argparse.ArgumentParser) -> None:
+    """The paths ``install`` writes and ``uninstall`` restores or removes."""
     parser.add_argument("--daemon-config", default="/etc/docker/daemon.json", help="the Docker engine's daemon.json")
     parser.add_argument("--bin-dir", default="/usr/local/bin", help="where gpumgr-runtime goes")
     parser.add_argument("--cli-plugins-dir", default=str(Path("~/.docker/cli-plugins").expanduser()),
                         help="where the docker-gpu CLI plugin goes")
     parser.add_argument("--runtime-config", default=RUNTIME_CONFIG, help="the hook's own settings file")
-    parser.add_argument("--runtime", help="the runtime the hook hands over to (default: nvidia-container-runtime "
-                                          "if installed, else runc)")
+    parser.add_argument("--reload", action="store_true", help="send SIGHUP to dockerd so it loads daemon.json now")
+    parser.add_argument("--dockerd-pidfile", default="/var/run/docker.pid")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``gpumgr plugin install``."""
+    add_path_arguments(parser)
+    parser.add_argument("--runtime", help="the runtime gpumgr-granted containers are handed to (default: "
+                                          "nvidia-container-runtime if installed, else runc)")
+    parser.add_argument("--plain-runtime", help="the runtime every other container and runtime call goes to "
+                                                "(default: runc)")
     parser.add_argument("--hook-socket", default=DEFAULT_SOCKET, help="the agent's hook socket (its hook_socket)")
     parser.add_argument("--no-default-runtime", action="store_true",
                         help="register the runtime without making it the default (Swarm tasks then bypass it)")
-    parser.add_argument("--reload", action="store_true", help="send SIGHUP to dockerd so it loads the runtime now")
-    parser.add_argument("--dockerd-pidfile", default="/var/run/docker.pid")
+    parser.add_argument("--force", action="store_true",
+                        help="replace another default runtime in daemon.json (uninstall puts it back)")
 
 
 #: What each launcher imports: the folders of all go on ``sys.path``; the hook's are imported up front,
@@ -144,25 +208,32 @@ def _import_folder(name: str) -> str | None:
     return str(Path(spec.origin).parent) if spec.origin else None
 
 
+# --- install ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Change:
+    """One file to write (``data``) or remove (``data is None``)."""
+
+    path: Path
+    data: bytes | None
+    mode: int = 0o644
+
+
 def install(args: argparse.Namespace) -> int:
     """Do the set-up and say what, if anything, the user must still do."""
-    runtime = args.runtime or _find_runtime()
-    if runtime is None:
-        print("gpumgr plugin install: neither nvidia-container-runtime nor runc was found; pass --runtime",
-              file=sys.stderr)
+    try:
+        changes, notes, daemon_changed = _plan_install(args)
+    except Refused as exc:
+        print(f"gpumgr plugin install: {exc}; nothing was written", file=sys.stderr)
         return 2
-    hook = _write_script(Path(args.bin_dir) / "gpumgr-runtime",
-                         HOOK_LAUNCHER.format(python=shlex.quote(sys.executable), runtime=runtime,
-                                              marker=REQUEST_MEMORY, code=shlex.quote(
-                                                  launcher_code(HOOK_MODULE, HOOK_IMPORTS, HOOK_EAGER))))
-    cli = _write_script(Path(args.cli_plugins_dir) / "docker-gpu",
-                        CLI_LAUNCHER.format(python=shlex.quote(sys.executable), metadata=json.dumps(METADATA),
-                                            code=shlex.quote(launcher_code(CLI_MODULE, CLI_IMPORTS))))
-    _write_json(Path(args.runtime_config), {"runtime": runtime, "hook_socket": args.hook_socket})
-    changed = _register_runtime(Path(args.daemon_config), hook, default=not args.no_default_runtime)
-    print(f"installed the OCI runtime hook {hook} (hands over to {runtime})")
-    print(f"installed the Docker CLI plugin {cli} (try: docker gpu nodes)")
-    if not changed:
+    try:
+        _apply(changes)
+    except OSError as exc:
+        print(f"gpumgr plugin install: {exc}; what had been written is undone", file=sys.stderr)
+        return 1
+    for note in notes:
+        print(note)
+    if not daemon_changed:
         print(f"{args.daemon_config} already registers runtime {RUNTIME_NAME!r}; nothing to reload")
     elif args.reload:
         print(_reload(Path(args.dockerd_pidfile)))
@@ -174,6 +245,94 @@ def install(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_install(args: argparse.Namespace) -> tuple[list[Change], list[str], bool]:
+    """Read and check everything install needs; the files to write, what to tell, and whether daemon.json changes."""
+    gpu_runtime = _resolve_runtime(args.runtime, "--runtime") if args.runtime else _find_runtime()
+    if gpu_runtime is None:
+        raise Refused("neither nvidia-container-runtime nor runc was found; pass --runtime")
+    plain = _resolve_runtime(args.plain_runtime or PLAIN_RUNTIME, "--plain-runtime")
+    daemon_path = Path(args.daemon_config).absolute()
+    target = Path(os.path.realpath(daemon_path))  # a symbolic link stays one: its target is what is replaced
+    backup = daemon_path.with_name(daemon_path.name + BACKUP_SUFFIX)
+    runtime_config = Path(args.runtime_config).absolute()
+    hook = (Path(args.bin_dir) / "gpumgr-runtime").absolute()
+    cli = (Path(args.cli_plugins_dir) / "docker-gpu").absolute()
+    raw = _read_bytes(target)
+    config = _parse_daemon_json(raw, daemon_path)
+    old_state = _read_state(runtime_config, daemon_path)
+    default = not args.no_default_runtime
+
+    current_default = config.get("default-runtime")
+    notes: list[str] = []
+    if default and current_default not in (None, RUNTIME_NAME, PLAIN_RUNTIME):
+        if not args.force:
+            raise Refused(f"{daemon_path} makes {current_default!r} the default runtime, and gpumgr must replace it "
+                          f"(Swarm tasks only get GPUs through the default runtime). Pass --force to replace it "
+                          f"('gpumgr plugin uninstall' puts {current_default!r} back; containers that ask gpumgr "
+                          f"for nothing then run under {plain}), or --no-default-runtime")
+        notes.append(f"replaced default runtime {current_default!r} (--force); 'gpumgr plugin uninstall' puts it back")
+    wanted = dict(config)
+    wanted["runtimes"] = {**config.get("runtimes", {}), RUNTIME_NAME: {"path": str(hook.resolve())}}
+    if default:
+        wanted["default-runtime"] = RUNTIME_NAME
+    daemon_changed = wanted != config
+    new_daemon = (json.dumps(wanted, indent=2) + "\n").encode()
+    digest = _digest(new_daemon) if daemon_changed else None
+
+    fresh = RUNTIME_NAME not in config.get("runtimes", {})
+    backup_data: bytes | None = None
+    if fresh:  # not installed on this daemon.json: this install's "before" is what is there now
+        backup_data = raw
+        replaced = current_default if default and current_default != RUNTIME_NAME else None
+        state: dict[str, Any] = {"created_daemon_config": raw is None, "previous_default_runtime": replaced,
+                                 "daemon_config_sha256": digest}
+    else:  # installed before: keep the first install's backup and record, unless daemon.json was edited since
+        state = {"created_daemon_config": bool(old_state.get("created_daemon_config")),
+                 "previous_default_runtime": old_state.get("previous_default_runtime")
+                 if old_state else _backup_default(backup)}
+        if default and current_default not in (None, RUNTIME_NAME):
+            state["previous_default_runtime"] = current_default
+        untouched = raw is not None and old_state.get("daemon_config_sha256") == _digest(raw)
+        state["daemon_config_sha256"] = (digest or old_state["daemon_config_sha256"]) if untouched else None
+    state.update({"daemon_config": str(daemon_path), "backup": str(backup) if backup.exists() or backup_data
+                  is not None else None, "hook": str(hook), "cli_plugin": str(cli)})
+
+    python = shlex.quote(sys.executable)
+    hook_text = HOOK_LAUNCHER.format(
+        mark=MARK, python=python, plain_q=shlex.quote(plain), config_q=shlex.quote(str(runtime_config)),
+        config_env=Env.RUNTIME_CONFIG, runc_env=Env.RUNC,
+        marker=REQUEST_MEMORY, code=shlex.quote(launcher_code(HOOK_MODULE, HOOK_IMPORTS, HOOK_EAGER)))
+    cli_text = CLI_LAUNCHER.format(mark=MARK, python=python, metadata=json.dumps(METADATA),
+                                   code=shlex.quote(launcher_code(CLI_MODULE, CLI_IMPORTS)))
+    settings = {"runtime": gpu_runtime, "plain_runtime": plain, "hook_socket": args.hook_socket, STATE_KEY: state}
+    changes = [Change(hook, hook_text.encode(), 0o755), Change(cli, cli_text.encode(), 0o755),
+               Change(runtime_config, (json.dumps(settings, indent=2) + "\n").encode())]
+    if backup_data is not None and daemon_changed:
+        changes.append(Change(backup, backup_data, _mode(target)))
+    if daemon_changed:
+        changes.append(Change(target, new_daemon, _mode(target)))
+    notes[:0] = [f"installed the OCI runtime hook {hook}: containers granted GPU memory by gpumgr run under "
+                 f"{gpu_runtime}, every other container under {plain}",
+                 f"installed the Docker CLI plugin {cli} (try: docker gpu nodes)",
+                 f"wrote {runtime_config} (the agent's hook socket: {args.hook_socket})"]
+    if backup_data is not None and daemon_changed:
+        notes.append(f"kept the original {daemon_path} as {backup}")
+    return changes, notes, daemon_changed
+
+
+def _resolve_runtime(name: str, flag: str) -> str:
+    """The absolute path of runtime ``name`` (the hook ``exec``s it without a search); Refused if there is none."""
+    if os.sep in name:
+        path = Path(name).absolute()
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise Refused(f"{flag} {name}: no such executable")
+        return str(path)
+    found = shutil.which(name, path=os.pathsep.join((*SEARCH_PATH, os.environ.get("PATH", ""))))
+    if found is None:
+        raise Refused(f"{flag} {name}: not found in {os.pathsep.join(SEARCH_PATH)} or $PATH; pass its path")
+    return str(Path(found).absolute())
+
+
 def _find_runtime() -> str | None:
     for name in RUNTIME_CANDIDATES:
         found = shutil.which(name, path=os.pathsep.join(SEARCH_PATH))
@@ -182,30 +341,230 @@ def _find_runtime() -> str | None:
     return None
 
 
-def _write_script(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    path.chmod(0o755)
-    return path.resolve()
+def _parse_daemon_json(raw: bytes | None, path: Path) -> dict[str, Any]:
+    """daemon.json as a dict ({} if absent or blank); Refused if it is not what dockerd accepts."""
+    if raw is None or not raw.strip():
+        return {}
+    try:
+        config = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise Refused(f"{path} is not valid JSON ({exc}); fix it first") from exc
+    if not isinstance(config, dict):
+        raise Refused(f"{path} holds a JSON {type(config).__name__}, not an object; fix it first")
+    if not isinstance(config.get("runtimes", {}), dict):
+        raise Refused(f"{path}: 'runtimes' is not an object; fix it first")
+    if not isinstance(config.get("default-runtime", ""), str):
+        raise Refused(f"{path}: 'default-runtime' is not a string; fix it first")
+    return config
 
 
-def _register_runtime(daemon_json: Path, hook: Path, default: bool) -> bool:
-    config = json.loads(daemon_json.read_text()) if daemon_json.exists() and daemon_json.read_text().strip() else {}
-    wanted = dict(config)
-    wanted["runtimes"] = {**config.get("runtimes", {}), RUNTIME_NAME: {"path": str(hook)}}
-    if default:
-        wanted["default-runtime"] = RUNTIME_NAME
-    if wanted == config:
-        return False
-    if daemon_json.exists():
-        shutil.copy2(daemon_json, daemon_json.with_suffix(".json.before-gpumgr"))
-    _write_json(daemon_json, wanted)
-    return True
+def _read_state(runtime_config: Path, daemon_path: Path) -> dict[str, Any]:
+    """What a former install on ``daemon_path`` recorded in the settings file ({} if nothing usable)."""
+    try:
+        settings = json.loads(runtime_config.read_bytes())
+    except (OSError, ValueError):
+        return {}
+    state = settings.get(STATE_KEY) if isinstance(settings, dict) else None
+    if not isinstance(state, dict) or state.get("daemon_config") != str(daemon_path):
+        return {}
+    return state
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+def _backup_default(backup: Path) -> str | None:
+    """The default runtime the backup names, unless it is gpumgr's own (a backup from an older install)."""
+    try:
+        found = _parse_daemon_json(_read_bytes(backup), backup).get("default-runtime")
+    except Refused:
+        return None
+    return found if isinstance(found, str) and found != RUNTIME_NAME else None
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _mode(path: Path) -> int:
+    try:
+        return path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        return 0o644
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# --- uninstall -------------------------------------------------------------------------------------
+
+def uninstall(args: argparse.Namespace) -> int:
+    """Put the engine back as it was before ``install`` and remove what install wrote."""
+    try:
+        changes, notes, daemon_changed = _plan_uninstall(args)
+    except Refused as exc:
+        print(f"gpumgr plugin uninstall: {exc}; nothing was changed", file=sys.stderr)
+        return 2
+    try:
+        _apply(changes)
+    except OSError as exc:
+        print(f"gpumgr plugin uninstall: {exc}; what had been changed is undone", file=sys.stderr)
+        return 1
+    for note in notes:
+        print(note)
+    if not changes:
+        print("nothing to uninstall: gpumgr is not installed with these paths")
+    if not daemon_changed:
+        print(f"{args.daemon_config} was not changed: nothing to reload")
+    elif args.reload:
+        print(_reload(Path(args.dockerd_pidfile)))
+    else:
+        print(f"updated {args.daemon_config}: the Docker engine must reload it to stop using gpumgr-runtime.\n"
+              "  A reload is enough, no restart: systemctl reload docker   (or: kill -HUP $(pidof dockerd))\n"
+              "  Containers created under runtime 'gpumgr' keep calling its launcher to stop and be removed:\n"
+              "  recreate them (docker service update --force) or reinstall to manage them.")
+    return 0
+
+
+def _plan_uninstall(args: argparse.Namespace) -> tuple[list[Change], list[str], bool]:
+    daemon_path = Path(args.daemon_config).absolute()
+    target = Path(os.path.realpath(daemon_path))
+    backup = daemon_path.with_name(daemon_path.name + BACKUP_SUFFIX)
+    runtime_config = Path(args.runtime_config).absolute()
+    state = _read_state(runtime_config, daemon_path)
+    raw = _read_bytes(target)
+    config = _parse_daemon_json(raw, daemon_path)
+    changes: list[Change] = []
+    notes: list[str] = []
+    daemon_changed = False
+    if raw is not None and state.get("daemon_config_sha256") == _digest(raw):  # as install left it
+        backup_data = _read_bytes(backup)
+        if state.get("created_daemon_config"):
+            changes.append(Change(target, None))
+            notes.append(f"removed {daemon_path}: gpumgr plugin install created it")
+            daemon_changed = True
+        elif backup_data is not None:
+            _parse_daemon_json(backup_data, backup)
+            changes += [Change(target, backup_data, _mode(target)), Change(backup, None)]
+            notes.append(f"restored {daemon_path} from {backup}")
+            daemon_changed = True
+    if not daemon_changed and raw is not None:  # edited since install (or no record): take out only gpumgr's
+        previous = state.get("previous_default_runtime") if state else _backup_default(backup)
+        stripped = _strip(config, previous)
+        if stripped != config:
+            daemon_changed = True
+            if not stripped and state.get("created_daemon_config"):
+                changes.append(Change(target, None))
+                notes.append(f"removed {daemon_path}: gpumgr plugin install created it")
+            else:
+                changes.append(Change(target, (json.dumps(stripped, indent=2) + "\n").encode(), _mode(target)))
+                notes.append(f"took runtime {RUNTIME_NAME!r} out of {daemon_path}"
+                             + (f" and made {previous!r} the default runtime again"
+                                if config.get("default-runtime") == RUNTIME_NAME and previous else "")
+                             + "; it is not as install left it, so its other settings are kept")
+            if backup.exists():
+                notes.append(f"kept {backup} (the file before install) to compare with")
+    launchers = {Path(args.bin_dir).absolute() / "gpumgr-runtime", Path(args.cli_plugins_dir).absolute() / "docker-gpu"}
+    launchers.update(Path(state[key]) for key in ("hook", "cli_plugin") if isinstance(state.get(key), str))
+    for launcher in sorted(launchers):
+        text = _read_bytes(launcher)
+        if text is None:
+            continue
+        lines = text.split(b"\n", 2)
+        if len(lines) > 1 and lines[1].startswith(MARK.encode()):
+            changes.append(Change(launcher, None))
+            notes.append(f"removed {launcher}")
+        else:
+            notes.append(f"left {launcher}: gpumgr plugin install did not write it")
+    if runtime_config.exists():
+        changes.append(Change(runtime_config, None))
+        notes.append(f"removed {runtime_config}")
+    return changes, notes, daemon_changed
+
+
+def _strip(config: dict[str, Any], previous_default: str | None) -> dict[str, Any]:
+    """``config`` without gpumgr's runtime, and with ``previous_default`` as the default again if gpumgr was it."""
+    stripped = dict(config)
+    runtimes = {name: value for name, value in config.get("runtimes", {}).items() if name != RUNTIME_NAME}
+    if runtimes:
+        stripped["runtimes"] = runtimes
+    else:
+        stripped.pop("runtimes", None)
+    if config.get("default-runtime") == RUNTIME_NAME:
+        if previous_default:
+            stripped["default-runtime"] = previous_default
+        else:
+            del stripped["default-runtime"]
+    return stripped
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+def _apply(changes: list[Change]) -> None:
+    """Make ``changes`` in order, each atomically; if one fails, undo those made and raise."""
+    undo: list[Change] = []
+    made_dirs: list[Path] = []
+    try:
+        for change in changes:
+            previous = Change(change.path, _read_bytes(change.path), _mode(change.path))
+            if change.data is None:
+                if previous.data is not None:
+                    change.path.unlink()
+                    _fsync_dir(change.path.parent)
+                    undo.append(previous)
+                continue
+            if previous.data == change.data and previous.mode == change.mode:
+                continue  # already so: leave it (and its time stamps) alone
+            made_dirs += _make_dirs(change.path.parent)
+            _write_atomically(change.path, change.data, change.mode)
+            undo.append(previous)
+    except BaseException:
+        for previous in reversed(undo):
+            with contextlib.suppress(OSError):
+                if previous.data is None:
+                    previous.path.unlink(missing_ok=True)
+                else:
+                    _write_atomically(previous.path, previous.data, previous.mode)
+        for folder in reversed(made_dirs):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+
+
+def _make_dirs(folder: Path) -> list[Path]:
+    """Create ``folder`` and its missing parents; the ones created, outermost first."""
+    missing = [parent for parent in (folder, *folder.parents) if not parent.exists()][::-1]
+    folder.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def _write_atomically(path: Path, data: bytes, mode: int) -> None:
+    """Replace ``path`` with ``data``: a temporary file beside it, fsync, rename, fsync of the folder."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fchmod(handle.fileno(), mode)
+            with contextlib.suppress(FileNotFoundError, PermissionError):
+                owner = path.stat()  # keep the owner of a file replaced (root's, or a config manager's)
+                os.fchown(handle.fileno(), owner.st_uid, owner.st_gid)
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _reload(pidfile: Path) -> str:
@@ -213,4 +572,4 @@ def _reload(pidfile: Path) -> str:
         os.kill(int(pidfile.read_text().strip()), signal.SIGHUP)
     except (OSError, ValueError) as exc:
         return f"could not signal dockerd through {pidfile} ({exc}); run: systemctl reload docker"
-    return "sent SIGHUP to dockerd: it loads the new runtime now (no restart needed)"
+    return "sent SIGHUP to dockerd: it loads daemon.json now (no restart needed)"
