@@ -194,10 +194,56 @@ def start_manager(settings: ManagerSettings) -> tuple[Any, Any]:
                          "GPUMGR_TOKEN or 'token' in the config file) or listen on loopback")
     manager = Manager(settings)
     manager.start()
-    server = create_server(create_app(manager), host=host, port=port, threads=settings.threads, ident="gpumgr")
+    server = create_server(create_app(manager), **server_options(host, port, settings.threads))
     print(f"gpumgr manager: API on http://{host}:{server.effective_port}, agents on {manager.link.bound_endpoint}",
           flush=True)
     return server, manager
+
+
+#: The REST server is waitress: one process (the map lives in its memory), one event loop that reads
+#: every request whole before a worker thread sees it, so idle and half-sent connections cost a file
+#: descriptor each and no thread. Its defaults stop accepting at 100 connections and close idle ones
+#: after 120 s, which let 100 idle clients block every request for minutes: these lift the limit to what
+#: the open-file limit allows and close idle connections sooner.
+API_CONNECTION_LIMIT = 10_000
+#: Seconds a connection may sit idle (no request in progress, nothing received) before it is closed,
+#: and how often that is checked.
+API_IDLE_TIMEOUT = 30
+API_IDLE_CHECK = 5
+#: Connections the kernel queues while the server catches up.
+API_BACKLOG = 2048
+#: waitress buffers a request body whole before the app's 1 MiB bound (a JSON 413) reads it: cap that too.
+API_MAX_BODY = 2 * 1024 * 1024
+#: File descriptors kept for the agent link, the state files and the Docker client; each connection may
+#: take up to three (its socket, and a spill file each way for a large body or answer).
+FD_RESERVE = 256
+FDS_PER_CONNECTION = 3
+OPEN_FILES_WANTED = 65_536
+
+
+def server_options(host: str, port: int, threads: int) -> dict[str, Any]:
+    """waitress settings for the REST API: see ``API_CONNECTION_LIMIT``. Raises the open-file limit as needed."""
+    files = _raise_open_files(OPEN_FILES_WANTED)
+    limit = max(100, min(API_CONNECTION_LIMIT, (files - FD_RESERVE) // FDS_PER_CONNECTION))
+    return {"host": host, "port": port, "threads": threads, "ident": "gpumgr", "connection_limit": limit,
+            "channel_timeout": API_IDLE_TIMEOUT, "cleanup_interval": API_IDLE_CHECK, "backlog": API_BACKLOG,
+            # poll(), not select(): select() fails outright on descriptors past 1023
+            "asyncore_use_poll": True, "max_request_body_size": API_MAX_BODY}
+
+
+def _raise_open_files(wanted: int) -> int:
+    """Raise this process's soft open-file limit toward ``wanted`` (up to the hard limit); return the soft limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
+    return wanted if soft == resource.RLIM_INFINITY else soft
 
 
 def build_agent(settings: AgentSettings) -> Any:
@@ -213,7 +259,8 @@ def build_agent(settings: AgentSettings) -> Any:
     holder: list[Agent] = []
     runtime = build_runtime(settings.runtime, lambda m: holder[0].report_change(m), network_mode=settings.network_mode,
                             device_requests=settings.device_requests, gpu_kind=source.kind,
-                            log_dir=settings.process_log_dir, mps=settings.mps, node=settings.node)
+                            log_dir=settings.process_log_dir, mps=settings.mps, node=settings.node,
+                            state_dir=identity.folder)
     hook = settings.hook_socket if runtime.kind == "docker" else None
     agent = Agent(settings.node, settings.manager, source, runtime, identity,
                   heartbeat_interval=settings.heartbeat_interval, enforcement=settings.enforcement(),
@@ -224,7 +271,11 @@ def build_agent(settings: AgentSettings) -> Any:
 
 def _serve_until_signal(server: Any, manager: Any) -> None:
     def shutdown(*_: Any) -> None:
+        # every connection too, not just the listening socket: with poll() the loop runs while any is open
+        from waitress import wasyncore
+
         server.close()
+        wasyncore.close_all(getattr(server, "_map", None) or getattr(server, "map", {}))
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, shutdown)

@@ -4,22 +4,52 @@ from __future__ import annotations
 
 import re
 import shlex
+import time
 from typing import Annotated, Any, Literal, cast
 
 from flask import Blueprint, Response, current_app, jsonify, request
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    WithJsonSchema,
+)
 
-from gpumgr.manager.cluster import PlacementSpec
+from gpumgr.manager.records import PlacementSpec
 from gpumgr.manager.service import Manager
-from gpumgr.wire import defaults
-from gpumgr.wire.errors import InvalidRequest
+from gpumgr.wire import defaults, protocol
+from gpumgr.wire.errors import InvalidRequest, ProtocolError
 from gpumgr.wire.names import LABEL_PREFIX, Label, State
-from gpumgr.wire.units import parse_bytes
+from gpumgr.wire.units import MAX_BYTES, parse_bytes
 
 bp = Blueprint("v1", __name__, url_prefix="/v1")
 
 NAME_PATTERN = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}$")
 MAX_GPUS = defaults.MAX_GPUS_PER_REQUEST
+#: The wire's bounds (wire/envelope.py ``unpack``): what the API accepts, the agent can decode.
+MAX_FIELD = defaults.MAX_FIELD_BYTES
+MAX_ITEMS = defaults.MAX_ITEMS
+#: A create message may take a quarter of the frame bound: room for the envelope, the GPU ids the grant adds,
+#: and for the container's record, which the agent repeats in its heartbeats.
+MAX_CREATE_BYTES = defaults.MAX_MESSAGE_BYTES // 4
+#: Node names as an agent may join with (``protocol.Join.node``).
+MAX_NODE_NAME = 253
+MAX_COMMAND_WORDS = 4096
+#: ``command`` given as one string is split like a shell would; longer strings must come as a list.
+MAX_COMMAND_STRING = MAX_FIELD
+#: Longest ``type`` filter of ``GET /v1/events`` (a comma list of event type names).
+MAX_TYPES_QUERY = 1024
+#: Longest integer query parameter: ``since`` is a non-negative int64.
+MAX_INT64 = 2**63 - 1
+#: GPU ids are filled in by the grant after validation; budget this many bytes for each.
+GPU_ID_BUDGET = 96
+#: At most this many validation errors are listed in a 400.
+MAX_ERRORS_LISTED = 5
 
 
 def _memory(value: Any) -> int:
@@ -31,23 +61,73 @@ def _memory(value: Any) -> int:
 
 def _command(value: Any) -> Any:
     if isinstance(value, str):
+        if len(value) > MAX_COMMAND_STRING:
+            raise ValueError(f"a command string may be at most {MAX_COMMAND_STRING} characters; "
+                             "send a longer command as a list of words")
         return shlex.split(value)
     return value
 
 
+def _wire_text(value: str) -> str:
+    """``value`` if the wire carries it: valid UTF-8 of at most ``MAX_FIELD`` bytes."""
+    try:
+        size = len(value.encode())
+    except UnicodeEncodeError:
+        raise ValueError("is not valid Unicode text (it holds a lone surrogate)") from None
+    if size > MAX_FIELD:
+        raise ValueError(f"is {size} bytes in UTF-8, over the wire's bound of {MAX_FIELD} bytes per string")
+    return value
+
+
+def _no_nul(value: str) -> str:
+    if "\0" in value:
+        raise ValueError("must not hold a NUL character (a process's arguments and environment cannot)")
+    return value
+
+
+def _env_name(value: str) -> str:
+    if not value or "=" in value:
+        raise ValueError("an environment variable's name must be non-empty and hold no '='")
+    return value
+
+
+#: A string the wire carries (every string of a request that reaches an agent).
+WireStr = Annotated[StrictStr, AfterValidator(_wire_text), WithJsonSchema({"type": "string", "maxLength": MAX_FIELD})]
+#: A wire string that can become a process argument or environment entry.
+ArgStr = Annotated[WireStr, AfterValidator(_no_nul)]
+EnvName = Annotated[ArgStr, AfterValidator(_env_name),
+                    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": MAX_FIELD})]
+#: ``gpu_memory`` as the document shows it: positive bytes, or a size string (its ASCII subset that is always read).
+MEMORY_SCHEMA = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_BYTES},
+                           {"type": "string", "maxLength": 64,
+                            "pattern": "^[0-9]{1,12}([kKmMgGtT]i?[bB]?|[bB])?$"}],
+                 "examples": ["8GiB", 536870912]}
+COMMAND_SCHEMA = {"anyOf": [{"type": "string", "maxLength": MAX_COMMAND_STRING},
+                            {"type": "array", "maxItems": MAX_COMMAND_WORDS,
+                             "items": {"type": "string", "maxLength": MAX_FIELD}}]}
+
+
 class CreateContainer(BaseModel):
-    """The body of ``POST /v1/containers``; unknown fields are refused."""
+    """The body of ``POST /v1/containers``; unknown fields are refused.
+
+    Every string is bounded by the wire's per-field bound in UTF-8 bytes, every list and map by its
+    item bound, and the whole create message by ``MAX_CREATE_BYTES``: a request the agent could not
+    decode is a 400 at once, never a create that times out.
+    """
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    gpu_memory: Annotated[int, BeforeValidator(_memory)]
+    gpu_memory: Annotated[int, BeforeValidator(_memory), WithJsonSchema(MEMORY_SCHEMA)] = Field(
+        description="GPU memory granted on each GPU: bytes, or a size such as '512MiB', '8GiB', '8G'")
     image: StrictStr | None = Field(None, min_length=1, max_length=512)
-    command: Annotated[list[StrictStr], BeforeValidator(_command)] = Field(default_factory=list, max_length=4096)
+    command: Annotated[list[ArgStr], BeforeValidator(_command), WithJsonSchema(COMMAND_SCHEMA)] = Field(
+        default_factory=list, max_length=MAX_COMMAND_WORDS, description="a list of words, or one string split "
+        "like a shell would")
     gpus: StrictInt = Field(1, ge=1, le=MAX_GPUS)
     name: StrictStr | None = Field(None, pattern=NAME_PATTERN.pattern)
-    env: dict[StrictStr, StrictStr] = Field(default_factory=dict)
-    labels: dict[StrictStr, StrictStr] = Field(default_factory=dict)
-    node: StrictStr | None = Field(None, min_length=1)
+    env: dict[EnvName, ArgStr] = Field(default_factory=dict, max_length=MAX_ITEMS)
+    labels: dict[WireStr, WireStr] = Field(default_factory=dict, max_length=MAX_ITEMS)
+    node: StrictStr | None = Field(None, min_length=1, max_length=MAX_NODE_NAME)
     placement: Literal["spread", "binpack"] | None = None
     on_overrun: Literal["kill", "stop", "report"] | None = None
 
@@ -66,6 +146,7 @@ def create_container() -> tuple[Response, int]:
     if body.image is None and manager().cluster.needs_image():
         raise InvalidRequest("image is required: the ready nodes run containers with Docker")
     settings = manager().settings
+    _check_message_size(body, body.on_overrun or settings.on_overrun)
     spec = PlacementSpec(
         memory=body.gpu_memory, count=body.gpus, placement=body.placement or settings.placement, image=body.image,
         command=body.command, name=body.name, env=body.env, labels=body.labels, node=body.node,
@@ -77,12 +158,12 @@ def create_container() -> tuple[Response, int]:
 @bp.get("/containers")
 def list_containers() -> Response:
     """Every container record, optionally filtered by ``state`` and ``node``."""
-    state = request.args.get("state")
+    state = _query("state", 64)
     if state is not None and state not in {s.value for s in State}:
         raise InvalidRequest(f"state must be one of {', '.join(s.value for s in State)}, not {state!r}")
     cluster = manager().cluster
-    records = cluster.containers(state=state, node=request.args.get("node"))
-    service = request.args.get("service")
+    records = cluster.containers(state=state, node=_query("node", MAX_NODE_NAME))
+    service = _query("service", MAX_FIELD)
     if service is not None:
         records = [r for r in records if r.labels.get(Label.SERVICE) == service]
     return jsonify({"containers": [cluster.view(r) for r in records]})
@@ -96,9 +177,10 @@ def get_container(cid: str) -> Response:
 
 
 @bp.delete("/containers/<cid>")
-def delete_container(cid: str) -> Response:
+def delete_container(cid: str) -> tuple[Response, int]:
     """Stop and remove a container; its grant is freed."""
-    return jsonify(manager().remove(cid))
+    record, status = manager().remove(cid)
+    return jsonify(record), status
 
 
 @bp.get("/nodes")
@@ -116,11 +198,37 @@ def delete_node(name: str) -> Response:
 @bp.get("/events")
 def list_events() -> Response:
     """Recent events, oldest first; ``since`` skips ids up to it, ``type`` filters (comma list)."""
-    since = request.args.get("since", "0")
-    if not since.isdigit():
-        raise InvalidRequest(f"since must be a non-negative integer, not {since!r}")
-    kinds = set(filter(None, request.args.get("type", "").split(","))) or None
+    since = _query("since", len(str(MAX_INT64))) or "0"
+    # ASCII digits only: str.isdigit() also takes '①' and '²', which int() then refuses
+    if not (since.isascii() and since.isdigit()) or int(since) > MAX_INT64:
+        raise InvalidRequest(f"since must be a non-negative integer of at most {MAX_INT64}, not {since!r}")
+    kinds = set(filter(None, (_query("type", MAX_TYPES_QUERY) or "").split(","))) or None
     return jsonify({"events": manager().events.since(int(since), kinds)})
+
+
+def _query(name: str, limit: int) -> str | None:
+    """The query parameter ``name``, or None; a 400 if it is over ``limit`` characters."""
+    value = request.args.get(name)
+    if value is not None and len(value) > limit:
+        raise InvalidRequest(f"{name}: at most {limit} characters, got {len(value)}")
+    return value
+
+
+def _check_message_size(body: CreateContainer, on_overrun: str) -> None:
+    """A 400 unless the create message the agent will get, GPU ids and grant included, fits ``MAX_CREATE_BYTES``."""
+    spec = protocol.ContainerSpec(
+        grant="0" * 16, name=body.name or "gpumgr-" + "0" * 16, image=body.image, command=body.command,
+        env=body.env, labels=body.labels, gpus=["0" * GPU_ID_BUDGET] * body.gpus, gpu_memory=body.gpu_memory,
+        on_overrun=on_overrun, created_at=time.time(),
+    )
+    try:
+        size = len(protocol.encode(protocol.Create(spec=spec)))
+    except ProtocolError:
+        size = defaults.MAX_MESSAGE_BYTES + 1
+    if size > MAX_CREATE_BYTES:
+        raise InvalidRequest(f"body: the create message for the agent would be {size} bytes, over the bound of "
+                             f"{MAX_CREATE_BYTES} bytes (a quarter of the wire's {defaults.MAX_MESSAGE_BYTES}); "
+                             "send a smaller command, env or labels")
 
 
 def _validated(model: type[BaseModel]) -> Any:
@@ -136,9 +244,17 @@ def _validated(model: type[BaseModel]) -> Any:
 
 
 def _describe(exc: ValidationError) -> str:
+    """Where and why, for the first few errors; a key or value from the request is never echoed whole."""
     parts = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "body"
+    errors = exc.errors(include_url=False, include_input=False)
+    for err in errors[:MAX_ERRORS_LISTED]:
+        where = ".".join(_short(str(p)) for p in err["loc"]) or "body"
         text = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
-        parts.append(f"{where}: {text.removeprefix('Value error, ')}")
+        parts.append(f"{where}: {_short(text.removeprefix('Value error, '), 400)}")
+    if len(errors) > MAX_ERRORS_LISTED:
+        parts.append(f"and {len(errors) - MAX_ERRORS_LISTED} more errors")
     return "; ".join(parts)
+
+
+def _short(text: str, limit: int = 64) -> str:
+    return text if len(text) <= limit else f"{text[:limit - 16]}...({len(text)} chars)"

@@ -9,11 +9,12 @@ from flask import Flask, Response, jsonify, request
 from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException
 
-from gpumgr.manager import api
+from gpumgr.manager import api, openapi
 from gpumgr.manager.service import Manager
 from gpumgr.wire.errors import GpumgrError
 
-OPEN_PATHS = frozenset({"/healthz"})
+#: Open without the token: liveness, and the API's description (its shape is public, it holds no state).
+OPEN_PATHS = frozenset({"/healthz", "/openapi.json"})
 
 
 def create_app(manager: Manager, test_config: dict[str, Any] | None = None) -> Flask:
@@ -25,6 +26,7 @@ def create_app(manager: Manager, test_config: dict[str, Any] | None = None) -> F
     app.extensions["gpumgr.manager"] = manager
     app.register_blueprint(api.bp)
     app.add_url_rule("/healthz", "healthz", lambda: healthz(manager))
+    app.add_url_rule("/openapi.json", "openapi", lambda: jsonify(openapi.document()))
     app.before_request(lambda: _authorize(manager.settings.token))
     app.register_error_handler(GpumgrError, _gpumgr_error)
     app.register_error_handler(HTTPException, _http_error)
