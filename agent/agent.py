@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -26,7 +27,7 @@ from gpumgr.agent.identity import Identity
 from gpumgr.agent.meter import Sample, take_sample
 from gpumgr.agent.runtime import ChangeCallback, Managed, Runtime
 from gpumgr.wire import defaults, protocol, security
-from gpumgr.wire.errors import GpumgrError
+from gpumgr.wire.errors import GpumgrError, ProtocolError
 from gpumgr.wire.link import Link, LinkHooks, Peer
 
 log = logging.getLogger(__name__)
@@ -175,17 +176,29 @@ class Agent:
             log.warning("dropped an unexpected %s message from the manager", envelope.type)
 
     def _register_message(self) -> protocol.Register:
+        """Who we are, our GPUs and every managed container; compact reports if whole ones are over the bound."""
         gpus = [protocol.GpuInfo(uuid=d.uuid, index=d.index, name=d.name, memory_total=d.memory_total)
                 for d in self.devices]
-        return protocol.Register(node=self.node, runtime=self.runtime.kind, gpus=gpus,
-                                 containers=[m.report() for m in self.runtime.managed()])
+        managed = _newest_ends(self.runtime.managed(), defaults.FINISHED_KEPT)
+        refused = list(self.runtime.refused)
+        message = protocol.Register(node=self.node, runtime=self.runtime.kind, gpus=gpus,
+                                    containers=[m.report() for m in managed], refused=refused)
+        try:
+            protocol.encode(message)
+        except ProtocolError:  # long commands or labels: the grants matter, those do not
+            log.warning("registering %d containers without their commands and labels: whole, they are over "
+                        "the message bound", len(managed))
+            message.containers = [m.report(compact=True) for m in managed]
+        return message
 
     def _heartbeat_message(self) -> protocol.Heartbeat:
         expire_creating = getattr(self.runtime, "expire_creating", None)
         if expire_creating is not None:
             expire_creating(defaults.TASK_START_TIMEOUT)
         sample = self._fresh_sample()
-        containers = [m.report(sample.usage.get(m.grant)) for m in self.runtime.managed()]
+        since = time.time() - defaults.ENDED_REPORTED_FOR
+        containers = [m.status(sample.usage.get(m.grant)) for m in self.runtime.managed()
+                      if m.finished_at is None or m.finished_at > since]
         return protocol.Heartbeat(node=self.node, gpus=sample.gpus, containers=containers)
 
     def _fresh_sample(self) -> Sample:
@@ -217,6 +230,13 @@ class Agent:
         self.link.send(MANAGER, reply, reply_to=request_id)
 
 
+def _newest_ends(managed: list[Managed], keep: int) -> list[Managed]:
+    """Every live container, and only the ``keep`` most recent ended ones (the manager keeps no more)."""
+    ended = sorted((m for m in managed if m.finished_at is not None), key=lambda m: m.finished_at or 0.0)
+    dropped = {m.grant for m in ended[:-keep]} if len(ended) > keep else set()
+    return [m for m in managed if m.grant not in dropped]
+
+
 def _dealer_options(sock: zmq.Socket[bytes]) -> None:
     """Connect lazily and keep only what the manager can take: queued frames wait for a connection."""
     for option, value in ((zmq.IMMEDIATE, 1), (zmq.SNDHWM, 1000),
@@ -226,17 +246,31 @@ def _dealer_options(sock: zmq.Socket[bytes]) -> None:
 
 
 def build_runtime(kind: str, on_change: ChangeCallback, *, network_mode: str | None, device_requests: str,
-                  gpu_kind: str, log_dir: str, mps: bool = False, node: str = "") -> Runtime:
-    """The runtime ``kind`` (``auto`` picks Docker when the engine answers, else host processes)."""
-    from gpumgr.agent.docker_runtime import DockerRuntime, docker_answers
+                  gpu_kind: str, log_dir: str, mps: bool = False, node: str = "",
+                  state_dir: str | Path | None = None) -> Runtime:
+    """The runtime ``kind``, chosen once at start and kept for the agent's life.
+
+    ``auto`` means Docker wherever an engine is installed: when its socket exists but does not answer
+    (it is restarting), the agent waits for it rather than quietly running containers as host processes;
+    only a host with no engine at all gets the process runtime.
+    """
+    from gpumgr.agent.docker_runtime import DockerRuntime, docker_answers, docker_installed
     from gpumgr.agent.process_runtime import ProcessRuntime
 
     if kind == "auto":
-        kind = "docker" if docker_answers() else "process"
+        kind = "docker" if docker_installed() else "process"
+        log.info("runtime auto: %s (a Docker engine is %s)", kind, "installed" if kind == "docker" else "absent")
     if kind == "process":
         return ProcessRuntime(on_change, log_dir=log_dir, mps=mps)
+    deadline = time.monotonic() + defaults.ENGINE_WAIT
+    while not docker_answers():
+        if time.monotonic() > deadline:
+            raise OSError(f"the Docker engine did not answer within {defaults.ENGINE_WAIT:g}s")
+        log.warning("waiting for the Docker engine to answer")
+        time.sleep(1.0)
     use_requests = device_requests == "always" or (device_requests == "auto" and gpu_kind == "nvml" and _has_nvidia())
-    return DockerRuntime(on_change, node=node, network_mode=network_mode, device_requests=use_requests, mps=mps)
+    return DockerRuntime(on_change, node=node, network_mode=network_mode, device_requests=use_requests, mps=mps,
+                         state_dir=state_dir)
 
 
 def _has_nvidia() -> bool:

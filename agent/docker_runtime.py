@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +25,19 @@ from gpumgr.agent.runtime import (
     grant_labels,
     managed_from_labels,
 )
-from gpumgr.wire import defaults
+from gpumgr.wire import defaults, security
 from gpumgr.wire.errors import InvalidRequest, NotFound, RuntimeFailure
 from gpumgr.wire.names import Env, Label, State
-from gpumgr.wire.protocol import ContainerSpec, Reserve
+from gpumgr.wire.protocol import ContainerSpec, RefusedAdoption, Reserve
 
 log = logging.getLogger(__name__)
 
 #: The Swarm task's identity, from the variables ``docker gpu`` templates into the task's environment.
 TASK_LABELS = {Env.TASK: Label.TASK, Env.SERVICE: Label.SERVICE, Env.SLOT: Label.SLOT}
+#: The agent's record of the grants it took through the runtime hook (in its state directory).
+TASKS_FILE = "tasks.json"
+#: A hook-granted container not running this long after its grant has failed to start.
+START_CHECK = 10.0
 #: Processes whose cgroup is remembered at most; the cache starts over when it is full.
 CGROUP_CACHE_SIZE = 65536
 
@@ -42,8 +48,11 @@ class DockerRuntime(Runtime):
     kind = "docker"
 
     def __init__(self, on_change: ChangeCallback, *, node: str = "", network_mode: str | None = None,
-                 device_requests: bool = False, client: docker.DockerClient | None = None, mps: bool = False) -> None:
+                 device_requests: bool = False, client: docker.DockerClient | None = None, mps: bool = False,
+                 state_dir: str | Path | None = None) -> None:
         super().__init__(on_change, mps=mps)
+        #: the grants this agent took for hook-created containers, kept where no container can change them
+        self._ledger = Path(state_dir, TASKS_FILE) if state_dir is not None else None
         self.node = node
         self.client = client or docker.from_env()
         self.network_mode = network_mode
@@ -102,12 +111,20 @@ class DockerRuntime(Runtime):
         self._untrack(grant)
 
     def kill(self, grant: str, reason: str, detail: dict[str, Any] | None = None) -> None:
-        """SIGKILL the container; its exit is then reported as ``killed`` with ``reason``."""
+        """SIGKILL the container; its exit is then reported as ``killed`` with ``reason``.
+
+        Raises RuntimeFailure if the engine refused (the enforcer retries); a container already gone
+        counts as killed.
+        """
         managed = self._mark(grant, reason, detail)
         try:
             self.client.api.kill(managed.container_id)
+        except docker.errors.NotFound:
+            self._exited(managed, None)
         except docker.errors.APIError as exc:
-            log.warning("could not kill %s: %s", managed.container_id[:12], exc)
+            if "is not running" in str(exc):
+                return  # it is dying already: its exit is on its way
+            raise RuntimeFailure(f"docker could not kill {managed.container_id[:12]}: {exc}") from exc
 
     def stop(self, grant: str, reason: str, detail: dict[str, Any] | None = None,
              grace: float = defaults.STOP_GRACE) -> None:
@@ -164,7 +181,9 @@ class DockerRuntime(Runtime):
             managed = self._table.pop(grant, None)
             if managed is not None:
                 self._by_id.pop(managed.container_id, None)
-            return managed
+        if managed is not None and managed.hook:
+            self._write_ledger()
+        return managed
 
     def engine_request(self, request: Reserve) -> Reserve:
         """``request`` as this node's engine records its container; what the request itself claims counts for nothing.
@@ -220,55 +239,108 @@ class DockerRuntime(Runtime):
                           gpus=list(grant["gpus"]), gpu_memory=int(grant["gpu_memory"]), image=request.image,
                           labels=dict(request.labels),
                           on_overrun=str(grant.get("on_overrun") or "kill"), created_at=time.time(),
-                          state=State.CREATING)
+                          state=State.CREATING, hook=True)
         self._track(managed)
+        self._write_ledger()
         return managed
 
     def expire_creating(self, older_than: float) -> None:
-        """Give up on task containers that never started: their grants go back to the manager."""
-        cutoff = time.time() - older_than
+        """Settle hook grants whose container never started, from the engine's truth; their grants go back.
+
+        A container still not running ``START_CHECK`` seconds after its grant failed to start (a bad
+        command fails runc's create after the hook ran) or was removed; ``older_than`` is the backstop.
+        """
+        now = time.time()
         for managed in self.managed():
-            if managed.state == State.CREATING and managed.created_at < cutoff:
-                managed.reason = "never_started"
+            if managed.state != State.CREATING or now - managed.created_at < START_CHECK:
+                continue
+            state = self._engine_state(managed.container_id)
+            if state == "running":
+                continue  # its start event was missed; the next event or resync reports it
+            if state is None or state != "created" or now - managed.created_at > older_than:
+                managed.reason = "never_started" if state is not None else "removed_before_start"
                 self._exited(managed, None)
                 self._untrack(managed.grant)
 
+    def _engine_state(self, container_id: str) -> str | None:
+        """The container's state in the engine's lock-free list (``running``, ``created``, ...); None if gone."""
+        listed = self.client.api.containers(all=True, filters={"id": container_id})
+        return next((str(c.get("State")) for c in listed if c.get("Id") == container_id), None)
+
     def _adopt(self) -> None:
-        for container in self.client.containers.list(filters={"label": Label.TASK}):
-            self._adopt_task(container)
+        """Re-adopt this node's containers: REST-created ones from their labels, hook-created ones from the ledger.
+
+        The grant never comes from a container's environment or /proc: a container that looks managed
+        but has no trustworthy record of its grant is refused, and the manager is told why.
+        """
+        self._adopt_tasks()
         mine: dict[str, str | list[str] | bool] = {"label": [Label.GRANT, f"{Label.NODE}={self.node}"]}
         for container in self.client.containers.list(all=True, filters=mine):
+            problem = _label_problem(container.labels)
+            if problem is not None:
+                self._refuse(container, problem)
+                continue
             state = container.attrs["State"]
             running = bool(state.get("Running"))
             managed = managed_from_labels(_id(container), container.labels, container.attrs["Config"].get("Image", ""),
-                                           State.RUNNING if running else State.EXITED)
+                                          State.RUNNING if running else State.EXITED)
             managed.exit_code = None if running else state.get("ExitCode")
+            managed.finished_at = None if running else _finished_at(state)
             managed.pid = state.get("Pid") or None
             self._track(managed)
             log.info("re-adopted %s container %s (grant %s)", managed.state, container.short_id, managed.grant)
 
-    def _adopt_task(self, container: Container) -> None:
-        """Re-adopt a running task container: its grant lives in its main process's environment."""
-        pid = container.attrs["State"].get("Pid") or 0
-        env = _environ(pid)
-        if env.get(Env.NODE) != self.node or Env.GRANT not in env:
+    def _adopt_tasks(self) -> None:
+        """Re-adopt hook-granted containers that the ledger holds and the engine still has."""
+        for entry in self._read_ledger():
+            listed = self.client.api.containers(all=True, filters={"id": entry["container_id"]})
+            summary = next((c for c in listed if c.get("Id") == entry["container_id"]), None)
+            if summary is None:
+                continue  # gone while we were away: the manager's sweep settles its grant
+            state = {"running": State.RUNNING, "created": State.CREATING}.get(str(summary.get("State")), State.EXITED)
+            try:
+                managed = Managed(**{**entry, "state": state, "hook": True})
+            except TypeError as exc:
+                log.warning("ignoring a malformed task ledger entry: %s", exc)
+                continue
+            if state == State.EXITED:
+                managed.exit_code, managed.finished_at = _exit_code(summary), time.time()
+            self._track(managed)
+            log.info("re-adopted %s task container %s (grant %s)", state, entry["container_id"][:12], managed.grant)
+        self._write_ledger()
+
+    def _refuse(self, container: Container, reason: str) -> None:
+        log.warning("not adopting container %s: %s", container.short_id, reason)
+        self.refused.append(RefusedAdoption(container_id=_id(container), name=container.name or "", reason=reason))
+
+    def _read_ledger(self) -> list[dict[str, Any]]:
+        if self._ledger is None or not self._ledger.exists():
+            return []
+        try:
+            return list(security.read_private(self._ledger).get("tasks", []))
+        except ValueError as exc:
+            log.warning("ignoring the task ledger: %s", exc)
+            return []
+
+    def _write_ledger(self) -> None:
+        if self._ledger is None:
             return
-        labels: dict[str, str] = {k: container.labels.get(k, "") for k in (Label.TASK, Label.SERVICE)}
-        managed = Managed(grant=env[Env.GRANT], container_id=_id(container), name=container.name or "",
-                          gpus=env.get(Env.NVIDIA_VISIBLE_DEVICES, "").split(","),
-                          gpu_memory=int(env.get(Env.GPU_MEMORY, "1")),
-                          image=container.attrs["Config"].get("Image", ""), labels=labels, pid=pid,
-                          on_overrun=env.get(Env.ON_OVERRUN, "kill"), created_at=time.time())
-        self._track(managed)
-        log.info("re-adopted task container %s (grant %s)", container.short_id, managed.grant)
+        tasks = [{"grant": m.grant, "container_id": m.container_id, "name": m.name, "gpus": m.gpus,
+                  "gpu_memory": m.gpu_memory, "image": m.image, "labels": m.labels, "on_overrun": m.on_overrun,
+                  "created_at": m.created_at} for m in self.managed() if m.hook]
+        security.write_private(self._ledger, {"tasks": tasks})
 
     def _watch(self) -> None:
+        first = True
         while not self._stop.is_set():
             try:
                 self._events = self.client.events(
                     decode=True, since=int(time.time()) - 1,
                     filters={"type": "container", "event": ["start", "die", "destroy"]},
                 )
+                if not first:
+                    self._resync()  # exits during the gap would otherwise never be reported
+                first = False
                 for event in self._events:
                     self._on_event(event)
             except Exception as exc:  # the engine restarted or the stream broke: reconnect
@@ -301,6 +373,48 @@ class DockerRuntime(Runtime):
             self._untrack(managed.grant)
 
 
+    def _resync(self) -> None:
+        """Compare every managed container with the engine's list and report what changed unseen."""
+        listed = {c["Id"]: c for c in self.client.api.containers(all=True, filters={"label": Label.GRANT})}
+        hooked = {c["Id"]: c for c in self.client.api.containers(all=True) if c["Id"] in self._by_id}
+        listed.update(hooked)
+        for managed in self.managed():
+            summary = listed.get(managed.container_id)
+            state = str(summary.get("State")) if summary is not None else None
+            if managed.state in (State.RUNNING, State.CREATING) and state not in ("running", "created"):
+                log.info("container %s ended while the event stream was down", managed.container_id[:12])
+                self._exited(managed, _exit_code(summary) if summary is not None else None)
+        log.info("re-listed containers after the event stream came back")
+
+
+def _label_problem(labels: dict[str, str]) -> str | None:
+    """Why ``labels`` hold no trustworthy grant, or None if they do."""
+    memory = labels.get(Label.MEMORY, "")
+    if not (memory.isascii() and memory.isdigit() and int(memory) > 0):
+        return f"its {Label.MEMORY} label is missing or not a byte count, so its grant is unknown"
+    if not labels.get(Label.GPU):
+        return f"its {Label.GPU} label is missing, so its GPUs are unknown"
+    return None
+
+
+def _exit_code(summary: dict[str, Any]) -> int | None:
+    """The exit code in a list entry's status text (``Exited (137) 2 seconds ago``), if any."""
+    status = str(summary.get("Status", ""))
+    inside = status.partition("(")[2].partition(")")[0]
+    return int(inside) if inside.lstrip("-").isdigit() else None
+
+
+def _finished_at(state: dict[str, Any]) -> float:
+    """When the engine says the container ended (its ``State.FinishedAt``); now if it never ran or cannot say."""
+    text = str(state.get("FinishedAt") or "")
+    try:  # RFC 3339 with nanoseconds: keep microseconds, which is what fromisoformat reads
+        head, _, rest = text.rstrip("Z").partition(".")
+        stamp = datetime.fromisoformat(head + ("." + rest[:6] if rest else "") + "+00:00")
+    except ValueError:
+        return time.time()
+    return stamp.timestamp() if stamp.year > 1 else time.time()
+
+
 def _force_remove(container: Container) -> None:
     try:
         container.remove(force=True)
@@ -314,12 +428,12 @@ def _id(container: Container) -> str:
     return container.id
 
 
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(procmap.root(), str(pid), "environ").read_bytes() if pid else b""
-    except OSError:
-        return {}
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+def docker_installed() -> bool:
+    """Whether this host has a Docker engine to talk to: ``DOCKER_HOST`` or the default socket exists."""
+    host = os.environ.get("DOCKER_HOST", "")
+    if host:
+        return not host.startswith("unix://") or Path(host.removeprefix("unix://")).exists()
+    return Path("/var/run/docker.sock").exists()
 
 
 def docker_answers() -> bool:

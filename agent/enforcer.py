@@ -69,6 +69,8 @@ class Enforcer:
         self._on_overrun = on_overrun
         self._strikes: dict[tuple[str, str], int] = {}
         self._acted: set[str] = set()
+        #: grant → (monotonic time before which no new attempt, the delay after the next failure)
+        self._backoff: dict[str, tuple[float, float]] = {}
         self._baseline: dict[str, int] = {}
         self._room: dict[str, int] = {}
         self._stop = threading.Event()
@@ -107,14 +109,16 @@ class Enforcer:
         for verdict in verdicts:
             key = (verdict.grant, verdict.gpu)
             self._strikes[key] = self._strikes.get(key, 0) + 1
-            if self._strikes[key] >= self.settings.samples and verdict.grant not in self._acted:
+            waiting = self._backoff.get(verdict.grant, (0.0, 0.0))[0] > time.monotonic()
+            if self._strikes[key] >= self.settings.samples and verdict.grant not in self._acted and not waiting:
                 self._act(managed[verdict.grant], verdict)
             else:
                 pending = pending or verdict.grant not in self._acted
         over = {(v.grant, v.gpu) for v in verdicts}
         self._strikes = {k: n for k, n in self._strikes.items() if k in over}
         self._acted &= set(managed)
-        return pending
+        self._backoff = {g: b for g, b in self._backoff.items() if g in managed}
+        return pending or bool(self._backoff)
 
     # --- decide ------------------------------------------------------------------------------
     def _judge(self, sample: Sample, managed: dict[str, Managed]) -> list[Verdict]:
@@ -165,12 +169,25 @@ class Enforcer:
                   "pids": [pid for pid, _ in verdict.pids]}
         log.warning("container %s (%s) uses %d bytes on %s over its %d: %s", container.container_id[:12],
                     container.grant, verdict.observed, verdict.gpu, verdict.limit, container.on_overrun)
-        # tell the manager first, so the overrun (and the freed grant) is on record before the exit is
+        # tell the manager first, so the overrun is on record before the exit is
         self._on_overrun(container, detail)
-        if container.on_overrun == "kill":
-            self.runtime.kill(container.grant, verdict.reason, detail)
-        elif container.on_overrun == "stop":
-            self.runtime.stop(container.grant, verdict.reason, detail, self.settings.stop_grace)
+        try:
+            if container.on_overrun == "kill":
+                self.runtime.kill(container.grant, verdict.reason, detail)
+            elif container.on_overrun == "stop":
+                self.runtime.stop(container.grant, verdict.reason, detail, self.settings.stop_grace)
+        except Exception as exc:  # the engine refused: say so, and try again after a growing pause
+            self._retry_later(container, detail, exc)
+        else:
+            self._backoff.pop(container.grant, None)
+
+    def _retry_later(self, container: Managed, detail: dict[str, Any], exc: Exception) -> None:
+        self._acted.discard(container.grant)
+        delay = self._backoff.get(container.grant, (0.0, defaults.KILL_RETRY_MIN))[1]
+        self._backoff[container.grant] = (time.monotonic() + delay, min(delay * 2, defaults.KILL_RETRY_MAX))
+        log.warning("could not %s %s (%s); trying again in %gs", container.on_overrun, container.container_id[:12],
+                    exc, delay)
+        self._on_overrun(container, {**detail, "kill_failed": str(exc), "retry_in": delay})
 
     def _still_theirs(self, container: Managed, verdict: Verdict) -> bool:
         for pid, started in verdict.pids:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from gpumgr.agent.gpus import Device, GpuSource
 from gpumgr.agent.procmap import start_time_of
 from gpumgr.agent.runtime import Runtime
+from gpumgr.wire import defaults
 from gpumgr.wire.protocol import GpuSample
 
 
@@ -41,8 +42,10 @@ def take_sample(source: GpuSource, devices: list[Device], runtime: Runtime) -> S
             owner = runtime.owner_of(proc.pid, started)
             if owner is None:
                 continue
-            usage[owner.grant][device.uuid] = usage[owner.grant].get(device.uuid, 0) + proc.used
+            used_by = min(usage[owner.grant].get(device.uuid, 0) + proc.used, defaults.MAX_BYTES)
+            usage[owner.grant][device.uuid] = used_by
             pids[owner.grant][device.uuid].append((proc.pid, started))
             managed_bytes += proc.used
+        used = min(used, defaults.MAX_BYTES)
         gpus.append(GpuSample(uuid=device.uuid, memory_used=used, memory_unmanaged=max(0, used - managed_bytes)))
     return Sample(gpus, dict(usage), {g: dict(p) for g, p in pids.items()})

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +22,21 @@ from gpumgr.agent.runtime import (
 )
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import RuntimeFailure
-from gpumgr.wire.names import Env, State
+from gpumgr.wire.names import REMOVING, Env, State
 from gpumgr.wire.protocol import ContainerSpec
+
+#: How often a group's members are looked for once its leader has exited (or while it is being stopped).
+GROUP_POLL = 0.2
 
 
 class ProcessRuntime(Runtime):
     """Host process groups for hosts without Docker; the ``container_id`` is the group leader's pid.
 
-    Process groups do not outlive the agent's knowledge of them: after an agent restart they are
-    no longer managed (documented in the README).
+    A "container" is its whole process group: it runs (and is charged for the GPU memory of every
+    member) until the last member is gone, not only the leader. Signals go to the group only while it
+    has members: its number cannot be reused as a PID until then, so a signal never reaches a stranger
+    who was given the same number after the group ended. Process groups do not outlive the agent's
+    knowledge of them: after an agent restart they are no longer managed (documented in the README).
     """
 
     kind = "process"
@@ -63,14 +70,12 @@ class ProcessRuntime(Runtime):
     def remove(self, grant: str, stop_grace: float = defaults.STOP_GRACE) -> None:
         """SIGTERM the group, SIGKILL it after ``stop_grace``, and forget it."""
         managed = self._removing(grant)
-        proc = self._procs.get(grant)
-        _signal_group(managed.pid, signal.SIGTERM)
-        if proc is not None:
-            try:
-                proc.wait(stop_grace)
-            except subprocess.TimeoutExpired:
-                _signal_group(managed.pid, signal.SIGKILL)
-                proc.wait(stop_grace)
+        self._signal(managed, signal.SIGTERM)
+        deadline = time.monotonic() + stop_grace
+        while self._alive(managed) and time.monotonic() < deadline:
+            time.sleep(GROUP_POLL)
+        if self._alive(managed):
+            self._signal(managed, signal.SIGKILL)
         with self._lock:
             self._table.pop(grant, None)
             self._procs.pop(grant, None)
@@ -78,17 +83,16 @@ class ProcessRuntime(Runtime):
     def kill(self, grant: str, reason: str, detail: dict[str, Any] | None = None) -> None:
         """SIGKILL the whole process group; its exit is reported as ``killed`` with ``reason``."""
         managed = self._mark(grant, reason, detail)
-        _signal_group(managed.pid, signal.SIGKILL)
+        self._signal(managed, signal.SIGKILL)
 
     def stop(self, grant: str, reason: str, detail: dict[str, Any] | None = None,
              grace: float = defaults.STOP_GRACE) -> None:
         """SIGTERM the group now and SIGKILL it after ``grace`` if it is still there."""
         managed = self._mark(grant, reason, detail)
-        _signal_group(managed.pid, signal.SIGTERM)
+        self._signal(managed, signal.SIGTERM)
 
         def kill_if_running() -> None:
-            if managed.state == State.RUNNING:
-                _signal_group(managed.pid, signal.SIGKILL)
+            self._signal(managed, signal.SIGKILL)
 
         timer = threading.Timer(grace, kill_if_running)
         timer.daemon = True
@@ -106,12 +110,22 @@ class ProcessRuntime(Runtime):
         return None
 
     def _wait(self, managed: Managed, proc: subprocess.Popen[bytes]) -> None:
+        """Reap the leader, then wait for the rest of its group: the container ends with its last process."""
         code = proc.wait()
+        while managed.pid is not None and procmap.group_members(managed.pid):
+            time.sleep(GROUP_POLL)
+        with self._lock:
+            self._procs.pop(managed.grant, None)
         self._exited(managed, 128 - code if code < 0 else code)
 
+    def _alive(self, managed: Managed) -> bool:
+        """Whether the group still runs: its exit is not yet reported and it has a member."""
+        return managed.state in (State.RUNNING, REMOVING) and managed.pid is not None \
+            and bool(procmap.group_members(managed.pid))
 
-def _signal_group(pgid: int | None, sig: signal.Signals) -> None:
-    if pgid is None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
+    def _signal(self, managed: Managed, sig: signal.Signals) -> None:
+        """Signal the group only while it lives (its number cannot belong to anyone else until then)."""
+        if managed.pid is None or not self._alive(managed):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(managed.pid, sig)

@@ -66,6 +66,23 @@ def process_group_of(pid: int) -> int | None:
         return None
 
 
+def group_members(pgid: int, proc: str | None = None) -> list[int]:
+    """Every live process whose process group is ``pgid`` (zombies excluded), read from ``/proc``."""
+    folder = proc or _root
+    members = []
+    for name in os.listdir(folder):
+        if not name.isdigit():
+            continue
+        text = _read_text(os.path.join(folder, name, "stat"))
+        if text is None:
+            continue
+        fields = text.rsplit(")", 1)[-1].split()
+        # after the command name: state (field 3), ppid (4), pgrp (5)
+        if len(fields) > 2 and fields[0] != "Z" and fields[2] == str(pgid):
+            members.append(int(name))
+    return members
+
+
 def start_time_of(pid: int, proc: str | None = None) -> int | None:
     """Return when ``pid`` started, in clock ticks since boot, or ``None`` when it is gone.
 

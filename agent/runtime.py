@@ -18,8 +18,8 @@ from typing import Any
 
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import NotFound
-from gpumgr.wire.names import Env, Label, State
-from gpumgr.wire.protocol import ContainerReport, ContainerSpec
+from gpumgr.wire.names import LABEL_PREFIX, REMOVING, Env, Label, State
+from gpumgr.wire.protocol import ContainerReport, ContainerSpec, ContainerStatus, RefusedAdoption
 
 
 @dataclass
@@ -41,15 +41,25 @@ class Managed:
     reason: str | None = None
     pid: int | None = None
     detail: dict[str, Any] = field(default_factory=dict)
+    #: granted through the runtime hook (a Swarm task, or ``docker run`` with a request)
+    hook: bool = False
+    finished_at: float | None = None
 
-    def report(self, usage: dict[str, int] | None = None) -> ContainerReport:
-        """This container as the wire protocol carries it."""
+    def report(self, usage: dict[str, int] | None = None, *, compact: bool = False) -> ContainerReport:
+        """This container as the wire protocol carries it; ``compact`` leaves out its command and user labels."""
+        labels = {k: v for k, v in self.labels.items() if k.startswith(LABEL_PREFIX)} if compact else self.labels
         return ContainerReport(
             grant=self.grant, container_id=self.container_id, name=self.name, image=self.image,
-            command=self.command, gpus=self.gpus, gpu_memory=self.gpu_memory, state=self.state,
-            exit_code=self.exit_code, reason=self.reason, usage=usage or {}, labels=self.labels,
-            on_overrun=self.on_overrun, created_at=self.created_at,
+            command=[] if compact else self.command, gpus=self.gpus, gpu_memory=self.gpu_memory, state=self.state,
+            exit_code=self.exit_code, reason=self.reason, usage=usage or {}, labels=labels,
+            on_overrun=self.on_overrun, created_at=self.created_at, hook=self.hook, finished_at=self.finished_at,
         )
+
+    def status(self, usage: dict[str, int] | None = None) -> ContainerStatus:
+        """What a heartbeat carries of this container: the grant id and its figures."""
+        return ContainerStatus(grant=self.grant, container_id=self.container_id, state=self.state,
+                               exit_code=self.exit_code, reason=self.reason, usage=usage or {},
+                               finished_at=self.finished_at)
 
 
 ChangeCallback = Callable[[Managed], None]
@@ -86,6 +96,8 @@ class Runtime:
         self.mps = mps
         self._lock = threading.Lock()
         self._table: dict[str, Managed] = {}
+        #: containers that looked managed but could not be adopted, and why (told to the manager on register)
+        self.refused: list[RefusedAdoption] = []
 
     def managed(self) -> list[Managed]:
         """A snapshot of every container this runtime manages."""
@@ -130,7 +142,7 @@ class Runtime:
         managed = self.get(grant)
         with self._lock:
             if managed.state == State.RUNNING:
-                managed.state = "removing"
+                managed.state = REMOVING
         return managed
 
     def _mark(self, grant: str, reason: str, detail: dict[str, Any] | None) -> Managed:
@@ -149,6 +161,7 @@ class Runtime:
                 return
             managed.state = State.KILLED if managed.reason else State.EXITED
             managed.exit_code = exit_code
+            managed.finished_at = time.time()
         self._on_change(managed)
 
 

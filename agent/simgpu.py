@@ -305,11 +305,11 @@ class SimSource:
 def parse_usage(data: bytes) -> list[int]:
     """The comma-separated byte counts in a usage file; ``[]`` unless every entry is a whole number."""
     if data.strip().isdigit():  # the common case: one number
-        return [int(data)]
+        return [min(int(data), defaults.MAX_BYTES)]
     parts = [part.strip() for part in data.split(b",")]
     if not all(part.isdigit() for part in parts):
         return []
-    return [int(part) for part in parts]
+    return [min(int(part), defaults.MAX_BYTES) for part in parts]
 
 
 def _sim_environ(path: str) -> dict[str, str]:

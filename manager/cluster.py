@@ -14,16 +14,16 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from gpumgr.manager.events import EventLog
-from gpumgr.manager.scheduler import FreeIndex, GpuSlot, Placement, Request, place
+from gpumgr.manager.records import Container, Gpu, Node, PlacementSpec
+from gpumgr.manager.scheduler import FreeIndex, Placement, Request, place
 from gpumgr.manager.views import container_view, node_view
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import GpuConflict, NotFound
-from gpumgr.wire.names import LIVE, EventType, Label, State
-from gpumgr.wire.protocol import ContainerReport, GpuInfo, GpuSample
+from gpumgr.wire.names import LIVE, REMOVING, EventType, State
+from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuSample, RefusedAdoption
 from gpumgr.wire.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -31,77 +31,17 @@ log = logging.getLogger(__name__)
 
 
 
-@dataclass(eq=False)
-class Gpu(GpuSlot):
-    """A GPU on the map: the scheduler's slot plus what the API shows."""
-
-    name: str = ""
-    used: int = 0
-    holders: set[str] = field(default_factory=set)
-
-
-@dataclass
-class Node:
-    """A host with an agent."""
-
-    name: str
-    routing_id: bytes
-    runtime: str
-    gpus: list[Gpu]
-    ready: bool = True
-    last_seen: float = field(default_factory=time.time)
-    last_seen_mono: float = field(default_factory=time.monotonic)
-
-
-@dataclass(slots=True)
-class Container:
-    """The manager's record of one container and its grant."""
-
-    id: str
-    name: str
-    node: str
-    gpus: list[str]
-    gpu_memory: int
-    image: str | None = None
-    command: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    labels: dict[str, str] = field(default_factory=dict)
-    on_overrun: str = "kill"
-    state: State = State.CREATING
-    container_id: str | None = None
-    exit_code: int | None = None
-    reason: str | None = None
-    created_at: float = field(default_factory=time.time)
-    finished_at: float | None = None
-    usage: dict[str, int] = field(default_factory=dict)
-    detail: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class PlacementSpec:
-    """A validated request to run a container (see the REST API)."""
-
-    memory: int
-    count: int
-    placement: str
-    image: str | None
-    command: list[str]
-    name: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    labels: dict[str, str] = field(default_factory=dict)
-    node: str | None = None
-    on_overrun: str = "kill"
-    container_id: str | None = None
-
-
 class Cluster:
     """Nodes, GPUs and grants; see the module docstring for the rules."""
 
     def __init__(self, events: EventLog | None = None, *, headroom: int = 0,
-                 down_after: float = defaults.NODE_DOWN_AFTER) -> None:
+                 down_after: float = defaults.NODE_DOWN_AFTER,
+                 forget_after: float = defaults.NODE_FORGET_AFTER) -> None:
         self.events = events or EventLog()
         self.headroom = headroom
         self.down_after = down_after
+        #: a node down this long is dropped from the map (its binding stays: it may come back)
+        self.forget_after = forget_after
         self._lock = threading.RLock()
         self._index = FreeIndex()
         self._nodes: dict[str, Node] = {}
@@ -123,20 +63,40 @@ class Cluster:
         with self._lock:
             self._check_gpus_free(name, gpus)
             node = self._nodes.get(name)
+            restarted = node is not None and node.routing_id != routing_id
             if node is not None:
                 self._set_ready(node, False, quiet=True)
             node = Node(name, routing_id, runtime, [self._gpu_for(name, info) for info in gpus])
             self._nodes[name] = node
             self._set_ready(node, True)
-            return self._reconcile(node, containers)
+            removals = self._reconcile(node, containers, whole=True)
+            if restarted:  # a new agent process: creates the old one had not begun are lost with it
+                reported = {c.grant for c in containers}
+                for record in [c for c in self._containers.values() if c.node == name and c.state is State.CREATING
+                               and not c.hook and c.id not in reported]:
+                    self._finish(record, State.FAILED, "its node's agent restarted before creating the container",
+                                 None, {})
+            return removals
 
     def heartbeat(self, name: str, routing_id: bytes, samples: list[GpuSample],
-                  containers: list[ContainerReport]) -> list[str] | None:
-        """Take one heartbeat; return grants to remove on that node, or None if the node is unknown."""
+                  containers: list[ContainerStatus]) -> list[str] | None:
+        """Take one heartbeat; return grants to remove on that node, or None if it must register again.
+
+        A heartbeat carries grant ids and figures only; a grant the map does not know (the node's
+        state changed behind our back) needs the node's whole report, so it is asked to register.
+        """
         with self._lock:
             node = self._nodes.get(name)
             if node is None:
                 return None
+            if not node.ready:
+                try:  # back from down: another node may have taken its GPUs meanwhile
+                    self._check_gpus_free(name, [GpuInfo(uuid=g.uuid, index=g.index, name=g.name,
+                                                         memory_total=g.total) for g in node.gpus])
+                except GpuConflict:
+                    return None  # its registration is refused with the reason
+                if any(self._gpus.get(g.uuid) is not g for g in node.gpus):
+                    return None  # a GPU record was replaced under it: rebuild from a registration
             node.routing_id, node.last_seen, node.last_seen_mono = routing_id, time.time(), time.monotonic()
             if not node.ready:
                 self._set_ready(node, True)
@@ -145,9 +105,12 @@ class Cluster:
                 if gpu is not None and gpu.node == name:
                     gpu.used, gpu.unmanaged = sample.memory_used, sample.memory_unmanaged
                     self._index.update(gpu)
+            if any(s.grant not in self._containers and s.state in LIVE for s in containers):
+                return None  # a live grant we do not know: adopt it from the whole report
+            # an ended one we do not know was forgotten under the finished-record cap: it stays forgotten
             return self._reconcile(node, containers)
 
-    def forget_node(self, name: str) -> bool:
+    def forget_node(self, name: str, reason: str = "its node was forgotten") -> bool:
         """Remove a node that is down from the map; its live grants end as ``removed``. False if unknown."""
         with self._lock:
             node = self._nodes.get(name)
@@ -155,7 +118,7 @@ class Cluster:
                 return False
             self._set_ready(node, False, quiet=True)
             for record in [c for c in self._containers.values() if c.node == name and c.state in LIVE]:
-                self._finish(record, State.REMOVED, "its node was forgotten", None, {})
+                self._finish(record, State.REMOVED, reason, None, {})
             for gpu in node.gpus:
                 if self._gpus.get(gpu.uuid) is gpu:
                     del self._gpus[gpu.uuid]
@@ -165,18 +128,31 @@ class Cluster:
         return True
 
     def sweep(self, now: float | None = None) -> list[str]:
-        """Mark nodes silent for longer than ``down_after`` as down; return their names."""
+        """Mark silent nodes down, forget long-gone ones, release unconfirmed grants; return the nodes marked down."""
         now = time.monotonic() if now is None else now
         with self._lock:
             stale = [n for n in self._nodes.values() if n.ready and now - n.last_seen_mono > self.down_after]
             for node in stale:
                 self._set_ready(node, False)
-            return [n.name for n in stale]
+            for record in [c for c in self._containers.values() if c.state is State.CREATING]:
+                if record.deadline is not None and now > record.deadline:
+                    self._finish(record, State.FAILED, "never confirmed by its node in time: grant released",
+                                 None, {})
+            gone = [n.name for n in self._nodes.values() if not n.ready and now - n.last_seen_mono > self.forget_after]
+        for name in gone:
+            log.info("forgetting node %s: down for over %gs", name, self.forget_after)
+            self.forget_node(name, reason=f"its node was down for over {self.forget_after:g}s")
+        return [n.name for n in stale]
 
     def routing_id(self, name: str) -> bytes:
         """Where the link reaches ``name``'s agent."""
         with self._lock:
             return self._nodes[name].routing_id
+
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` is on the map, ready or down."""
+        with self._lock:
+            return name in self._nodes
 
     def node_ready(self, name: str) -> bool:
         """Whether ``name`` is registered and heartbeating."""
@@ -185,8 +161,12 @@ class Cluster:
             return node is not None and node.ready
 
     # --- grants ------------------------------------------------------------------------------
-    def reserve(self, spec: PlacementSpec) -> Container:
-        """Choose GPUs for ``spec`` and grant the memory at once; the record starts as ``creating``."""
+    def reserve(self, spec: PlacementSpec, deadline: float = defaults.CREATE_TIMEOUT) -> Container:
+        """Choose GPUs for ``spec`` and grant the memory at once; the record starts as ``creating``.
+
+        Unless its container is confirmed within ``deadline`` seconds (the REST create's reply, or the
+        node's report of a hook-granted container), the grant is released by :meth:`sweep`.
+        """
         request = Request(spec.memory, spec.count, spec.node, Placement(spec.placement))
         with self._lock:
             slots = place(self._index, request)
@@ -194,7 +174,8 @@ class Cluster:
             record = Container(
                 id=cid, name=spec.name or f"gpumgr-{cid}", node=slots[0].node, gpus=[s.uuid for s in slots],
                 gpu_memory=spec.memory, image=spec.image, command=spec.command, env=spec.env,
-                labels=spec.labels, on_overrun=spec.on_overrun, container_id=spec.container_id,
+                labels=spec.labels, on_overrun=spec.on_overrun, container_id=spec.container_id, hook=spec.hook,
+                deadline=time.monotonic() + deadline,
             )
             self._containers[cid] = record
             self._grant(record)
@@ -209,7 +190,7 @@ class Cluster:
             record.container_id = report.container_id
             if record.state is not State.CREATING:
                 return record
-            record.state = State.RUNNING
+            record.state, record.deadline = State.RUNNING, None
         self.events.record(EventType.STARTED, f"container {report.container_id[:12]} running",
                            node=record.node, container=cid)
         return record
@@ -225,26 +206,38 @@ class Cluster:
         return None
 
     def finish(self, cid: str, state: State, *, reason: str | None = None, exit_code: int | None = None,
-               detail: dict[str, Any] | None = None) -> Container:
+               detail: dict[str, Any] | None = None, finished_at: float | None = None) -> Container:
         """Move ``cid`` to a final state and free its grant if it still held one."""
         with self._lock:
             record = self._get(cid)
-            self._finish(record, state, reason, exit_code, detail or {})
+            self._finish(record, state, reason, exit_code, detail or {}, finished_at=finished_at)
             return record
 
     def overrun(self, cid: str, detail: dict[str, Any]) -> Container:
-        """An agent found ``cid`` over its grant: record it; if it is being killed or stopped, free the grant now."""
+        """An agent found ``cid`` over its grant and says what it does about it.
+
+        The grant stays until the engine confirms the container's exit (the agent's exit report, or a
+        heartbeat without it): a container still dying keeps its bytes, so nobody else is given them.
+        """
         with self._lock:
             record = self._get(cid)
             record.detail["overrun"] = detail
-            if detail.get("action") in ("kill", "stop"):
-                # Already final means its exit report came first; either way it is not "reported only".
-                if record.state in LIVE:
-                    self._finish(record, State.KILLED, str(detail.get("reason", "gpu_memory_exceeded")), None, detail)
-                return record
+        action = str(detail.get("action", "report"))
+        what = {"kill": "killing it", "stop": "stopping it"}.get(action, "reported only")
+        if detail.get("kill_failed"):
+            what = f"the {action} failed ({detail['kill_failed']}); retrying"
         self.events.record(EventType.OVERRUN, f"{detail.get('reason')}: {detail.get('observed')} bytes on "
-                           f"{detail.get('gpu')} over a grant of {detail.get('grant_bytes')} (reported only)",
+                           f"{detail.get('gpu')} over a grant of {detail.get('grant_bytes')}: {what}",
                            node=record.node, container=cid, **detail)
+        return record
+
+    def request_removal(self, cid: str) -> Container:
+        """``DELETE`` while ``cid``'s node is down: remember it, and remove the container when the node returns."""
+        with self._lock:
+            record = self._get(cid)
+            record.remove_requested = True
+        self.events.record(EventType.REMOVED, "removal requested while its node is down: done when it returns",
+                           node=record.node, container=cid, pending=True)
         return record
 
     def fail(self, cid: str, reason: str) -> Container:
@@ -356,25 +349,31 @@ class Cluster:
                 self._index.update(gpu)
 
     def _finish(self, record: Container, state: State, reason: str | None, exit_code: int | None,
-                detail: dict[str, Any]) -> None:
-        was_live = record.state in LIVE
-        if not was_live and state is not State.REMOVED:
-            # a late exit report for a container already recorded as finished: keep its exit code only
-            record.exit_code = record.exit_code if record.exit_code is not None else exit_code
+                detail: dict[str, Any], *, finished_at: float | None = None) -> None:
+        """End a live record once: release its grant, keep why and when, and record its one final event."""
+        if record.state not in LIVE:
+            if state is State.REMOVED and record.state is not State.REMOVED:
+                record.state = State.REMOVED  # deleted after it ended: its end stays as it was recorded
+                self.events.record(EventType.REMOVED, "removed", node=record.node, container=record.id)
+            elif record.exit_code is None:
+                record.exit_code = exit_code  # a late exit report: keep its exit code only
             return
-        if was_live:
-            self._release(record)
-        record.state = state
-        record.reason = reason or record.reason
+        self._release(record)
+        record.state, record.deadline = state, None
         record.exit_code = exit_code if exit_code is not None else record.exit_code
+        record.reason = reason or record.reason or _default_reason(state, record.exit_code)
         record.detail.update(detail)
-        record.finished_at = record.finished_at or time.time()
+        record.finished_at = finished_at or record.finished_at or time.time()
+        self._end(record)
+
+    def _end(self, record: Container) -> None:
         self._finished.append(record.id)
         self._forget_oldest()
-        kind = _FINAL_EVENTS.get(state, EventType.EXITED)
-        text = f"{state}" + (f": {reason}" if reason else "")
-        text += f" (exit {exit_code})" if exit_code is not None else ""
-        self.events.record(kind, text, node=record.node, container=record.id, **detail)
+        kind = _FINAL_EVENTS.get(record.state, EventType.EXITED)
+        text = f"{record.state}: {record.reason}"
+        text += f" (exit {record.exit_code})" if record.exit_code is not None else ""
+        extra = {k: v for k, v in record.detail.items() if k not in _EVENT_KEYS}
+        self.events.record(kind, text, node=record.node, container=record.id, final=True, **extra)
 
     def _forget_oldest(self) -> None:
         while len(self._finished) > defaults.FINISHED_KEPT:
@@ -382,7 +381,15 @@ class Cluster:
             if old is not None and old.state not in LIVE:
                 del self._containers[old.id]
 
-    def _reconcile(self, node: Node, reports: list[ContainerReport]) -> list[str]:
+    def _reconcile(self, node: Node, reports: list[ContainerReport] | list[ContainerStatus], *,
+                   whole: bool = False) -> list[str]:
+        """Bring ``node``'s records in line with what it reports; return grants to remove there.
+
+        A report is the engine's truth for its node: a live grant the node no longer reports is over
+        (or, while ``creating``, waits for its deadline), and one it reports that we do not know is
+        adopted from the full report a registration carries. A registration (``whole``) also confirms
+        any creating grant its node reports running: the container exists, whoever was waiting for it.
+        """
         removals, seen = [], set()
         for report in reports:
             seen.add(report.grant)
@@ -390,51 +397,83 @@ class Cluster:
             if record is not None and record.node != node.name:
                 log.warning("node %s reports grant %s of node %s; ignored", node.name, report.grant, record.node)
             elif record is None:
-                self._adopt(node, report)
+                if isinstance(report, ContainerReport):
+                    self._adopt(node, report)
             elif record.state in LIVE:
-                self._refresh(record, report)
-            elif record.state in (State.FAILED, State.REMOVED) and report.state == State.RUNNING:
+                self._refresh(record, report, confirm=whole)
+                if record.remove_requested and record.state in LIVE and report.state != REMOVING:
+                    removals.append(record.id)
+            elif record.state in (State.FAILED, State.REMOVED) and report.state in LIVE:
                 removals.append(report.grant)
         holders = {cid for gpu in node.gpus for cid in gpu.holders if cid not in seen}
         for record in [self._containers[cid] for cid in sorted(holders)]:
             if record.state is State.RUNNING:
-                self._finish(record, State.REMOVED, "container disappeared from its node", None, {})
+                reason = "removed on request" if record.remove_requested else "container disappeared from its node"
+                self._finish(record, State.REMOVED, reason, None, {})
         return removals
 
-    def _refresh(self, record: Container, report: ContainerReport) -> None:
+    def _refresh(self, record: Container, report: ContainerStatus, *, confirm: bool = False) -> None:
         record.usage = dict(report.usage)
         record.container_id = report.container_id
-        if record.state is State.CREATING and report.state == State.RUNNING and record.labels.get(Label.TASK):
-            # a Swarm task has no REST caller waiting to mark it running: its agent's report does
-            record.state = State.RUNNING
-            self.events.record(EventType.STARTED, f"task container {report.container_id[:12]} running",
-                               node=record.node, container=record.id)
-        if report.state in (State.EXITED, State.KILLED) and record.state is State.RUNNING:
+        if record.state is State.CREATING and (record.hook or confirm):
+            # a hook grant has no REST caller waiting: its node's report confirms it (or its deadline ends it)
+            if report.state == State.RUNNING:
+                record.state, record.deadline = State.RUNNING, None
+                self.events.record(EventType.STARTED, f"container {report.container_id[:12]} running",
+                                   node=record.node, container=record.id)
+            elif report.state == State.CREATING and record.deadline is not None:
+                record.deadline = max(record.deadline, time.monotonic() + defaults.TASK_START_TIMEOUT)
+        if report.state in (State.EXITED, State.KILLED) and record.state in LIVE:
             state = State.KILLED if report.state == State.KILLED else State.EXITED
-            self._finish(record, state, report.reason, report.exit_code, {})
+            self._finish(record, state, report.reason, report.exit_code, {}, finished_at=report.finished_at)
 
     def _adopt(self, node: Node, report: ContainerReport) -> None:
-        running = report.state == State.RUNNING
+        """Rebuild a record from a node's report (the manager restarted, or the grant is new to it)."""
+        live = report.state in LIVE or report.state == REMOVING  # a container being stopped still holds memory
         record = Container(
             id=report.grant, name=report.name, node=node.name, gpus=list(report.gpus), gpu_memory=report.gpu_memory,
             image=report.image or None, command=list(report.command), labels=dict(report.labels),
-            on_overrun=report.on_overrun, state=State.RUNNING if running else State(_final_state(report.state)),
+            on_overrun=report.on_overrun,
+            state=State(_live_state(report.state)) if live else State(_final_state(report.state)),
             container_id=report.container_id, exit_code=report.exit_code, reason=report.reason,
-            created_at=report.created_at or time.time(), usage=dict(report.usage),
+            created_at=report.created_at or time.time(), usage=dict(report.usage), hook=report.hook,
+            deadline=time.monotonic() + defaults.TASK_START_TIMEOUT if report.state == State.CREATING else None,
         )
+        record.remove_requested = report.state == REMOVING  # its removal ends it, when the node reports it gone
         known = [u for u in record.gpus if u in self._gpus and self._gpus[u].node == node.name]
-        if running and len(known) != len(record.gpus):
+        if live and len(known) != len(record.gpus):
             log.warning("container %s names GPUs %s that node %s does not report", record.id, record.gpus, node.name)
             record.gpus = known
         self._containers[record.id] = record
-        if running and record.gpus:
-            self._grant(record)
         self.events.record(EventType.ADOPTED, f"{report.state} container {report.container_id[:12]} re-adopted",
                            node=node.name, container=record.id)
+        if live and record.gpus:
+            self._grant(record)
+        elif not live:
+            # it ended while no manager heard it: its end is recorded now, with its reason and time
+            record.finished_at = report.finished_at or time.time()
+            record.reason = record.reason or _default_reason(record.state, record.exit_code)
+            self._end(record)
+
+    def refuse_adoptions(self, node: str, refused: list[RefusedAdoption]) -> None:
+        """Record why a node could not adopt containers that look managed (no trustworthy grant)."""
+        for item in refused:
+            self.events.record(EventType.FAILED, f"container {item.container_id[:12]} {item.name} not adopted: "
+                               f"{item.reason}", node=node, container=None)
 
 
-
+_EVENT_KEYS = frozenset({"id", "time", "type", "node", "container", "message", "final"})
 _FINAL_EVENTS = {State.KILLED: EventType.KILLED, State.FAILED: EventType.FAILED, State.REMOVED: EventType.REMOVED}
+
+
+def _default_reason(state: State, exit_code: int | None) -> str:
+    if state is State.EXITED:
+        return f"exited with code {exit_code}" if exit_code is not None else "exited"
+    return str(state)
+
+
+def _live_state(state: str) -> str:
+    return State.RUNNING.value if state == REMOVING else state
 
 
 def _final_state(state: str) -> str:

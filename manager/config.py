@@ -24,5 +24,6 @@ class ManagerSettings(Settings):
     heartbeat_liveness: int = Field(defaults.HEARTBEAT_LIVENESS, ge=1)
     create_timeout: float = Field(defaults.CREATE_TIMEOUT, gt=0)
     remove_timeout: float = Field(defaults.REMOVE_TIMEOUT, gt=0)
+    forget_after: float = Field(defaults.NODE_FORGET_AFTER, gt=0)
     threads: int = Field(defaults.API_THREADS, ge=1)
     log_level: str = "INFO"

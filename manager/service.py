@@ -7,14 +7,15 @@ import time
 from typing import Any
 
 from gpumgr.manager.admission import Admission
-from gpumgr.manager.cluster import Cluster, PlacementSpec
+from gpumgr.manager.cluster import Cluster
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.events import EventLog
 from gpumgr.manager.link import ManagerLink
+from gpumgr.manager.records import PlacementSpec
 from gpumgr.wire import defaults, protocol
-from gpumgr.wire.errors import AgentFailed, AgentTimeout, Conflict, GpumgrError, NoAgents, NotFound
+from gpumgr.wire.errors import AgentFailed, Conflict, GpumgrError, NoAgents, NotFound
 from gpumgr.wire.link import Peer
-from gpumgr.wire.names import LIVE, EventType, Label, State
+from gpumgr.wire.names import LIVE, EventType, State
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,8 @@ class Manager:
         self.settings = settings
         self.events = EventLog()
         self.cluster = Cluster(self.events, headroom=settings.headroom,
-                               down_after=settings.heartbeat_interval * settings.heartbeat_liveness)
+                               down_after=settings.heartbeat_interval * settings.heartbeat_liveness,
+                               forget_after=settings.forget_after)
         self.admission = Admission(settings.state_dir)
         self.link = ManagerLink(settings.agents, self._on_message, self.admission.keys,
                                 tick=settings.heartbeat_interval / 2,
@@ -49,7 +51,8 @@ class Manager:
         The grant is released on every failure; a create that the agent finishes after we gave up
         is undone when its next heartbeat reports a container whose record is ``failed``.
         """
-        record = self.cluster.reserve(spec)
+        # the request below gives up after create_timeout; the deadline is the backstop should it never return
+        record = self.cluster.reserve(spec, deadline=self.settings.create_timeout + defaults.CREATE_MARGIN)
         create = protocol.Create(spec=protocol.ContainerSpec(
             grant=record.id, name=record.name, image=record.image, command=record.command, env=record.env,
             labels=record.labels, gpus=record.gpus, gpu_memory=record.gpu_memory, on_overrun=record.on_overrun,
@@ -57,11 +60,11 @@ class Manager:
         ))
         try:
             reply = self.link.request(self.cluster.routing_id(record.node), create, self.settings.create_timeout)
-        except AgentTimeout as exc:
-            self.cluster.fail(record.id, f"agent_timeout: {exc}")
-            raise
         except Exception as exc:
-            self.cluster.fail(record.id, f"link_error: {exc}")
+            if self.cluster.get(record.id).state is State.RUNNING:
+                # its agent restarted after starting it, and its registration confirmed the container
+                return self.cluster.view(self.cluster.get(record.id))
+            self.cluster.fail(record.id, f"{getattr(exc, 'code', 'link_error')}: {exc}")
             raise
         if not reply.ok:
             message = reply.error.message if reply.error else "unknown error"
@@ -69,14 +72,21 @@ class Manager:
             raise AgentFailed(f"node {record.node} could not start the container: {message}")
         return self.cluster.view(self.cluster.started(record.id, protocol.ContainerReport(**reply.result)))
 
-    def remove(self, cid: str) -> dict[str, Any]:
-        """Stop and remove ``cid`` on its node and free its grant."""
+    def remove(self, cid: str) -> tuple[dict[str, Any], int]:
+        """Stop and remove ``cid`` on its node and free its grant: ``(record, 200)``.
+
+        When its node is down the request is kept and carried out when the node returns: ``(record, 202)``;
+        the grant stays until then, since the container may still be running there.
+        """
         record = self.cluster.get(cid)
         if record.state is State.REMOVED:
-            return self.cluster.view(record)
+            return self.cluster.view(record), 200
+        if record.state in LIVE and not self.cluster.node_ready(record.node):
+            return self.cluster.view(self.cluster.request_removal(cid)), 202
         if record.container_id is not None or record.state in LIVE:
             self._remove_on_node(record.node, record.id)
-        return self.cluster.view(self.cluster.finish(cid, State.REMOVED, reason=record.reason))
+        reason = "removed on request" if record.state in LIVE else record.reason
+        return self.cluster.view(self.cluster.finish(cid, State.REMOVED, reason=reason)), 200
 
     def forget_node(self, name: str) -> dict[str, Any]:
         """Forget a node that is down, with its binding: its agent must join again to come back."""
@@ -147,6 +157,7 @@ class Manager:
         self.link.send(peer.routing_id, reply, reply_to=envelope.id)
 
     def _register(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Register) -> None:
+        before = self.cluster.routing_id(message.node) if self.cluster.knows(message.node) else None
         try:
             removals = self.cluster.register(message.node, peer.routing_id, message.runtime, message.gpus,
                                              message.containers)
@@ -154,6 +165,9 @@ class Manager:
             log.warning("refused the registration of node %s: %s", message.node, exc.message)
             self.link.send(peer.routing_id, protocol.Refused(code=exc.code, message=exc.message), reply_to=envelope.id)
             return
+        if before is not None and before != peer.routing_id:  # a new agent process: the old one answers nothing
+            self.link.fail_peer(before, AgentFailed(f"the agent of node {message.node} restarted before answering"))
+        self.cluster.refuse_adoptions(message.node, message.refused)
         interval = self.settings.heartbeat_interval
         self.link.send(peer.routing_id, protocol.Registered(heartbeat_interval=interval), reply_to=envelope.id)
         self._send_removals(peer.routing_id, removals)
@@ -172,12 +186,12 @@ class Manager:
         overrun = event.detail.get("overrun")
         if isinstance(overrun, dict):
             self.cluster.overrun(record.id, overrun)
-        elif report.state == State.RUNNING and record.state is State.CREATING and record.labels.get(Label.TASK):
+        elif report.state == State.RUNNING and record.state is State.CREATING and record.hook:
             self.cluster.started(record.id, report)
         elif report.state in (State.EXITED, State.KILLED):
             state = State.KILLED if report.state == State.KILLED else State.EXITED
             self.cluster.finish(record.id, state, reason=report.reason, exit_code=report.exit_code,
-                                detail=event.detail)
+                                detail=event.detail, finished_at=report.finished_at)
 
     def _reserve(self, request: protocol.Reserve) -> protocol.Reply:
         """Grant memory on the asking node for a container its runtime hook is creating (a Swarm task)."""
@@ -187,10 +201,10 @@ class Manager:
                 memory=request.gpu_memory, count=request.gpus, placement=self.settings.placement,
                 image=request.image or None, command=[], name=request.name or None, labels=request.labels,
                 node=request.node, on_overrun=request.on_overrun or self.settings.on_overrun,
-                container_id=request.container_id,
+                container_id=request.container_id, hook=True,
             )
             try:
-                record = self.cluster.reserve(spec)
+                record = self.cluster.reserve(spec, deadline=defaults.HOOK_CONFIRM)
             except GpumgrError as exc:
                 self.events.record(EventType.FAILED, f"task {request.name or request.container_id[:12]} "
                                    f"waits: {exc.message}", node=request.node, container=None, **request.labels)

@@ -6,10 +6,12 @@ record and build plain dicts, and callers decide whether they run under the mode
 
 from __future__ import annotations
 
+import copy
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gpumgr.manager.cluster import Container, Gpu, Node
+    from gpumgr.manager.records import Container, Gpu, Node
 
 
 def node_view(node: Node) -> dict[str, Any]:
@@ -25,12 +27,16 @@ def gpu_view(gpu: Gpu) -> dict[str, Any]:
     return {
         "uuid": gpu.uuid, "index": gpu.index, "name": gpu.name, "memory_total": gpu.total,
         "memory_used": gpu.used, "memory_reserved": gpu.reserved, "memory_unmanaged": gpu.unmanaged,
-        "memory_free": gpu.free, "containers": sorted(gpu.holders),
+        "memory_headroom": gpu.headroom, "memory_free": gpu.free, "containers": sorted(gpu.holders),
     }
 
 
 def container_view(record: Container, gpus: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """A container record as the REST API shows it."""
+    """A container record as the REST API shows it.
+
+    Called under the map's lock; everything mutable is copied, so the JSON encoder, which runs after
+    the lock is released, never reads a dict the link thread is changing.
+    """
     gpus = gpus or {}
     return {
         "id": record.id, "name": record.name, "node": record.node,
@@ -38,6 +44,9 @@ def container_view(record: Container, gpus: dict[str, dict[str, Any]] | None = N
         "gpu_memory": record.gpu_memory, "gpu_memory_used": sum(record.usage.values()),
         "container_id": record.container_id, "state": str(record.state), "exit_code": record.exit_code,
         "reason": record.reason, "created_at": record.created_at, "finished_at": record.finished_at,
-        "image": record.image, "command": record.command, "labels": record.labels,
-        "on_overrun": record.on_overrun, **({"detail": record.detail} if record.detail else {}),
+        "image": record.image, "command": list(record.command), "labels": dict(record.labels),
+        "on_overrun": record.on_overrun,
+        # a grant not yet confirmed by its node's engine is released at this (wall-clock) time
+        "confirm_by": None if record.deadline is None else time.time() + record.deadline - time.monotonic(),
+        **({"detail": copy.deepcopy(record.detail)} if record.detail else {}),
     }

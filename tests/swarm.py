@@ -75,14 +75,19 @@ class SwarmEngine:
         self.docker("swarm", "leave", "--force", check=False, timeout=60)
         for cid in self.docker("ps", "-aq", check=False).stdout.split():
             self.docker("rm", "-f", cid, check=False)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
         self._log.close()
-        time.sleep(0.2)
-        subprocess.run(["umount", "-R", str(self.dir / "exec")], capture_output=True)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        stop_engine(self.proc, self.dir)
+
+
+def stop_engine(proc: subprocess.Popen[bytes], directory: Path) -> None:
+    """Stop a throw-away ``dockerd`` (SIGTERM, then SIGKILL of its group) and delete its directory."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    time.sleep(0.2)
+    subprocess.run(["umount", "-R", str(directory / "exec")], capture_output=True)
+    shutil.rmtree(directory, ignore_errors=True)

@@ -23,7 +23,8 @@ EXAMPLES = [
                       containers=[REPORT]),
     protocol.Registered(heartbeat_interval=1.0),
     protocol.Heartbeat(node="n1", gpus=[protocol.GpuSample(uuid="GPU-1", memory_used=3, memory_unmanaged=1)],
-                       containers=[REPORT]),
+                       containers=[protocol.ContainerStatus(grant="g1", container_id="c" * 64, state="running",
+                                                            usage={"GPU-1": 5})]),
     protocol.Reregister(),
     protocol.Create(spec=SPEC),
     protocol.Remove(grant="g1", stop_grace=2.0),
@@ -75,7 +76,7 @@ def test_malformed_frames_raise_protocol_error(frame: bytes, words: str) -> None
 def test_oversized_frames_are_refused_both_ways() -> None:
     with pytest.raises(ProtocolError, match="bound"):
         protocol.decode(b"\x00" * (defaults.MAX_MESSAGE_BYTES + 1))
-    huge = protocol.Heartbeat(node="n", gpus=[], containers=[REPORT.model_copy(update={"labels": {
+    huge = protocol.Register(node="n", runtime="docker", gpus=[], containers=[REPORT.model_copy(update={"labels": {
         str(i): "x" * 1000 for i in range(defaults.MAX_MESSAGE_BYTES // 1000)}})])
     with pytest.raises(ProtocolError, match="bound"):
         protocol.encode(huge)
@@ -100,3 +101,17 @@ def test_random_bytes_never_raise_anything_else(data: bytes) -> None:
 def test_random_bodies_never_raise_anything_else(body, kind: str) -> None:
     with contextlib.suppress(ProtocolError):
         protocol.decode(msgpack.packb({"v": 1, "type": kind, "id": "x", "body": body}))
+
+
+def test_a_heartbeat_carries_grant_ids_and_figures_never_specs() -> None:
+    """However long a container's command or labels, its heartbeat entry stays a few dozen bytes."""
+    big = REPORT.model_copy(update={"command": ["x" * 60_000] * 10, "labels": {str(i): "y" * 1000 for i in range(50)}})
+    beat = protocol.Heartbeat(node="n", gpus=[], containers=[big] * 100)
+    assert len(protocol.encode(beat)) < 100 * 300
+    _, decoded = protocol.decode(protocol.encode(beat))
+    assert isinstance(decoded, protocol.Heartbeat) and decoded.containers[0].usage == {"GPU-1": 5}
+
+
+def test_a_figure_msgpack_cannot_carry_is_a_protocol_error() -> None:
+    with pytest.raises(ProtocolError, match="cannot be encoded"):
+        protocol.encode(protocol.Reply(ok=True, result={"used": 2**64}))

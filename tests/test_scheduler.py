@@ -10,7 +10,7 @@ from gpumgr.manager.cluster import Cluster, PlacementSpec
 from gpumgr.manager.scheduler import FreeIndex, GpuSlot, Placement, Request, place
 from gpumgr.wire.errors import NoAgents, NoFit
 from gpumgr.wire.names import State
-from gpumgr.wire.protocol import ContainerReport, GpuInfo, GpuSample
+from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuSample
 
 GiB = 1 << 30
 
@@ -86,7 +86,7 @@ def test_finishing_frees_the_grant_once() -> None:
     assert cluster.get(record.id).state is State.REMOVED
 
 
-def test_heartbeat_adopts_unknown_running_containers_and_orders_removal_of_failed_ones() -> None:
+def test_registration_adopts_unknown_running_containers_and_orders_removal_of_failed_ones() -> None:
     cluster = make_cluster({"a": [24 * GiB]})
     failed = cluster.reserve(spec(GiB))
     cluster.fail(failed.id, "agent_timeout")
@@ -94,10 +94,19 @@ def test_heartbeat_adopts_unknown_running_containers_and_orders_removal_of_faile
         ContainerReport(grant="adopted", container_id="c1", gpus=["a-g0"], gpu_memory=4 * GiB, state="running"),
         ContainerReport(grant=failed.id, container_id="c2", gpus=["a-g0"], gpu_memory=GiB, state="running"),
     ]
-    removals = cluster.heartbeat("a", b"a", [], reports)
+    gpus = [GpuInfo(uuid="a-g0", index=0, name="sim", memory_total=24 * GiB)]
+    removals = cluster.register("a", b"a", "docker", gpus, reports)
     assert removals == [failed.id]
     assert cluster.get("adopted").state is State.RUNNING
     assert gpu_view(cluster)["a-g0"]["memory_reserved"] == 4 * GiB
+
+
+def test_heartbeat_naming_an_unknown_grant_asks_for_the_whole_report() -> None:
+    """A heartbeat carries ids and figures only, so an unknown grant is never adopted from it."""
+    cluster = make_cluster({"a": [24 * GiB]})
+    status = ContainerStatus(grant="stranger", container_id="c1", state="running")
+    assert cluster.heartbeat("a", b"a", [], [status]) is None
+    assert gpu_view(cluster)["a-g0"]["memory_reserved"] == 0
 
 
 def test_unknown_node_heartbeat_asks_for_registration() -> None:

@@ -17,6 +17,8 @@ LINK_TICK = HEARTBEAT_INTERVAL / 2
 
 #: How long the manager waits for an agent to create a container (image already local).
 CREATE_TIMEOUT = 60.0
+#: A grant being created is released this long after the create's own timeout if nothing settled it.
+CREATE_MARGIN = 10.0
 #: Seconds a container gets between SIGTERM and SIGKILL, on ``DELETE`` and when the enforcer stops it.
 STOP_GRACE = 5.0
 #: How long the manager waits for an agent to stop and remove a container: the grace, and room to spare.
@@ -28,6 +30,9 @@ CLI_TIMEOUT = CREATE_TIMEOUT + 30.0
 POLL_INTERVAL = 0.1
 SAMPLE_INTERVAL = HEARTBEAT_INTERVAL
 OVERRUN_SAMPLES = 2
+#: A kill the engine refused is retried after this pause, doubling up to the cap.
+KILL_RETRY_MIN = 0.2
+KILL_RETRY_MAX = 5.0
 #: Simulated GPUs: a new process's usage file is trusted after this settling time; every process
 #: is re-identified from /proc this often.
 SIM_SETTLE = 2 * SAMPLE_INTERVAL
@@ -43,6 +48,8 @@ HOOK_TIMEOUT = 20.0
 HOOK_WAIT = HOOK_TIMEOUT + 5.0
 #: A task container that has not started this long after its grant gives the grant back.
 TASK_START_TIMEOUT = 2 * CREATE_TIMEOUT
+#: How long an agent whose host has a Docker engine waits for it to answer at start before giving up.
+ENGINE_WAIT = 60.0
 #: Delay before the agent re-opens a broken Docker event stream.
 EVENT_RETRY = 1.0
 #: Hook connections served at once; more are accepted and closed at once.
@@ -60,6 +67,8 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 #: Per-field bounds inside a frame: no string over 64 KiB, no list or map over this many items.
 MAX_FIELD_BYTES = 64 * 1024
 MAX_ITEMS = 16 * 1024
+#: The largest byte figure gpumgr carries (a signed 64-bit integer); bigger usage readings are clamped to it.
+MAX_BYTES = 2**63 - 1
 #: The most GPUs one request may ask for.
 MAX_GPUS_PER_REQUEST = 64
 #: Simulated GPUs per spec, and the most a simulated usage file is read.
@@ -71,6 +80,14 @@ MAX_CONTAINERS_PER_NODE = 4096
 EVENTS_KEPT = 1000
 #: Finished container records kept for ``GET /v1/containers`` before the oldest are forgotten.
 FINISHED_KEPT = 1000
+#: An agent repeats a container's end in its heartbeats this long (its exit event may have been lost);
+#: registrations carry the newest FINISHED_KEPT ends, so a returning manager records what it missed.
+ENDED_REPORTED_FOR = 30 * HEARTBEAT_INTERVAL
+
+#: A node down this long is dropped from the map with its grants (its agent's key binding stays).
+NODE_FORGET_AFTER = 24 * 3600.0
+#: A hook-granted container must show up in its node's reports within this long, or its grant is released.
+HOOK_CONFIRM = HOOK_WAIT + 3 * HEARTBEAT_INTERVAL
 
 #: ``GET /v1/nodes`` serves a cached map this old at most while no grant or node changed.
 MAP_MAX_AGE = 0.5

@@ -28,11 +28,18 @@ def new_id() -> str:
 
 
 def pack(kind: str, body: dict[str, Any], *, msg_id: str | None = None, reply_to: str | None = None) -> bytes:
-    """One frame; raises ProtocolError if it would be over the size bound."""
+    """One frame; raises ProtocolError if it is over a bound that :func:`unpack` enforces on the other side."""
     header = {"v": VERSION, "type": kind, "id": msg_id or new_id(), "reply_to": reply_to, "body": body}
-    frame: bytes = msgpack.packb(header, use_bin_type=True)
+    try:
+        frame: bytes = msgpack.packb(header, use_bin_type=True)
+    except (OverflowError, TypeError, ValueError) as exc:  # e.g. an integer msgpack cannot carry
+        raise ProtocolError(f"{kind} message cannot be encoded: {exc}") from exc
     if len(frame) > defaults.MAX_MESSAGE_BYTES:
         raise ProtocolError(f"{kind} message of {len(frame)} bytes is over the {defaults.MAX_MESSAGE_BYTES} bound")
+    try:  # what we send must be what every receiver accepts: the same bounds, checked by the same decoder
+        unpack(frame)
+    except ProtocolError as exc:
+        raise ProtocolError(f"{kind} message would be refused by its receiver: {exc}") from exc
     return frame
 
 

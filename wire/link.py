@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from gpumgr.wire import defaults, protocol
-from gpumgr.wire.errors import AgentTimeout, ProtocolError
+from gpumgr.wire.errors import AgentTimeout, NoAgents, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class Link:
         self._tick = tick
         self._hooks = hooks or LinkHooks()
         self._ctx = context or zmq.Context.instance()
-        self._outbox: queue.SimpleQueue[tuple[bytes, bytes]] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[bytes, bytes, str | None]] = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}
         self._pending_lock = threading.Lock()
         self._wake_addr = f"inproc://gpumgr-{name}-{id(self)}"
@@ -128,9 +128,9 @@ class Link:
         """Queue ``message`` for ``peer`` (a routing id; ``b""`` on a DEALER); never blocks."""
         self.send_frame(peer, protocol.encode(message, reply_to=reply_to))
 
-    def send_frame(self, peer: bytes, frame: bytes) -> None:
-        """Queue an already encoded frame for ``peer``; never blocks."""
-        self._outbox.put((peer, frame))
+    def send_frame(self, peer: bytes, frame: bytes, msg_id: str | None = None) -> None:
+        """Queue an already encoded frame for ``peer``; never blocks. ``msg_id`` names a request waiting on it."""
+        self._outbox.put((peer, frame, msg_id))
         self._poke()
 
     def request_async(self, peer: bytes, message: protocol.Message, timeout: float) -> Future[protocol.Reply]:
@@ -139,8 +139,18 @@ class Link:
         future: Future[protocol.Reply] = Future()
         with self._pending_lock:
             self._pending[msg_id] = _Pending(future, peer, time.monotonic() + timeout, message.TYPE)
-        self.send_frame(peer, protocol.encode(message, msg_id=msg_id))
+        self.send_frame(peer, protocol.encode(message, msg_id=msg_id), msg_id)
         return future
+
+    def fail_peer(self, peer: bytes, error: Exception) -> int:
+        """Fail every request waiting on ``peer`` at once (its process is gone); return how many."""
+        with self._pending_lock:
+            gone = [k for k, p in self._pending.items() if p.peer == peer]
+            failed = [self._pending.pop(k) for k in gone]
+        for pending in failed:
+            if not pending.future.done():
+                pending.future.set_exception(error)
+        return len(failed)
 
     def request(self, peer: bytes, message: protocol.Message, timeout: float) -> protocol.Reply:
         """Send ``message`` and wait up to ``timeout`` seconds for its reply; raises AgentTimeout."""
@@ -244,7 +254,7 @@ class Link:
     def _flush(self, sock: zmq.Socket[bytes]) -> None:
         while True:
             try:
-                peer, frame = self._outbox.get_nowait()
+                peer, frame, msg_id = self._outbox.get_nowait()
             except queue.Empty:
                 return
             parts = [peer, frame] if self.kind == zmq.ROUTER else [frame]
@@ -252,6 +262,15 @@ class Link:
                 sock.send_multipart(parts, zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 log.debug("cannot reach peer %r now (%s); one message dropped", peer, exc)
+                if msg_id is not None:
+                    self._fail(msg_id, NoAgents(f"the agent is not connected now ({exc.strerror}); try again"))
+
+    def _fail(self, msg_id: str, error: Exception) -> None:
+        """A request whose frame could not leave fails at once instead of waiting out its timeout."""
+        with self._pending_lock:
+            pending = self._pending.pop(msg_id, None)
+        if pending is not None and not pending.future.done():
+            pending.future.set_exception(error)
 
     def _drain(self, sock: zmq.Socket[bytes]) -> None:
         while True:

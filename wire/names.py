@@ -72,6 +72,8 @@ class State(StrEnum):
 
 #: States that hold a grant.
 LIVE = frozenset({State.CREATING, State.RUNNING})
+#: What an agent reports for a container it is stopping on request: still running, still holding its grant.
+REMOVING = "removing"
 
 
 class EventType(StrEnum):

@@ -52,23 +52,42 @@ class GpuSample(_Model):
     memory_unmanaged: int = Field(ge=0)
 
 
-class ContainerReport(_Model):
-    """A managed container as its agent sees it; carries the whole grant so a manager can rebuild it."""
+class ContainerStatus(_Model):
+    """What a heartbeat says of one managed container: its grant id and figures, never its spec."""
 
     grant: str
     container_id: str
+    state: str
+    exit_code: int | None = None
+    reason: str | None = None
+    usage: dict[str, int] = Field(default_factory=dict)
+    finished_at: float | None = None
+
+
+class ContainerReport(ContainerStatus):
+    """A managed container as its agent sees it; carries the whole grant so a manager can rebuild it.
+
+    Sent on registration and with each change, never in heartbeats. ``hook`` marks a grant the runtime
+    hook asked for (a Swarm task or a plain ``docker run`` with a request): no REST caller waits for it.
+    """
+
     name: str = ""
     image: str = ""
     command: list[str] = Field(default_factory=list)
     gpus: list[str]
     gpu_memory: int = Field(gt=0)
-    state: str
-    exit_code: int | None = None
-    reason: str | None = None
-    usage: dict[str, int] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
     on_overrun: str = "kill"
     created_at: float = 0.0
+    hook: bool = False
+
+
+class RefusedAdoption(_Model):
+    """A container that looks managed but cannot be adopted (no trustworthy grant), and why."""
+
+    container_id: str
+    name: str = ""
+    reason: str
 
 
 class ContainerSpec(_Model):
@@ -114,6 +133,7 @@ class Register(Message):
     runtime: str
     gpus: list[GpuInfo]
     containers: list[ContainerReport] = Field(default_factory=list, max_length=defaults.MAX_CONTAINERS_PER_NODE)
+    refused: list[RefusedAdoption] = Field(default_factory=list, max_length=defaults.MAX_CONTAINERS_PER_NODE)
 
 
 class Registered(Message):
@@ -129,7 +149,7 @@ class Heartbeat(Message):
     TYPE: ClassVar[str] = "heartbeat"
     node: str
     gpus: list[GpuSample]
-    containers: list[ContainerReport] = Field(default_factory=list, max_length=defaults.MAX_CONTAINERS_PER_NODE)
+    containers: list[ContainerStatus] = Field(default_factory=list, max_length=defaults.MAX_CONTAINERS_PER_NODE)
 
 
 class Reregister(Message):

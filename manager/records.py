@@ -1,0 +1,84 @@
+"""The records of the manager's map: GPUs, nodes, containers and the requests that place them.
+
+Plain data; :class:`~gpumgr.manager.cluster.Cluster` owns them and guards them with its one lock.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpumgr.manager.scheduler import GpuSlot
+from gpumgr.wire.names import State
+
+
+@dataclass(eq=False)
+class Gpu(GpuSlot):
+    """A GPU on the map: the scheduler's slot plus what the API shows."""
+
+    name: str = ""
+    used: int = 0
+    holders: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Node:
+    """A host with an agent."""
+
+    name: str
+    routing_id: bytes
+    runtime: str
+    gpus: list[Gpu]
+    ready: bool = True
+    last_seen: float = field(default_factory=time.time)
+    last_seen_mono: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class Container:
+    """The manager's record of one container and its grant."""
+
+    id: str
+    name: str
+    node: str
+    gpus: list[str]
+    gpu_memory: int
+    image: str | None = None
+    command: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    on_overrun: str = "kill"
+    state: State = State.CREATING
+    container_id: str | None = None
+    exit_code: int | None = None
+    reason: str | None = None
+    created_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+    detail: dict[str, Any] = field(default_factory=dict)
+    #: granted through a node's runtime hook: no REST caller waits to mark it running
+    hook: bool = False
+    #: while ``creating``: when (monotonic) the grant is released unless the container was confirmed
+    deadline: float | None = None
+    #: ``DELETE`` came while its node was down: it is removed when the node returns
+    remove_requested: bool = False
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    """A validated request to run a container (see the REST API)."""
+
+    memory: int
+    count: int
+    placement: str
+    image: str | None
+    command: list[str]
+    name: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    node: str | None = None
+    on_overrun: str = "kill"
+    container_id: str | None = None
+    #: asked for by a node's runtime hook rather than the REST API
+    hook: bool = False

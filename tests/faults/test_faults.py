@@ -1,0 +1,209 @@
+"""Fault injection: kill -9 and restart the manager, the agent and dockerd at chosen points; stop an
+agent past the down threshold; a burst of placements on a nearly full cluster.
+
+Everything is real: ``gpumgr manager`` and ``gpumgr agent`` processes, ZeroMQ over loopback, Docker
+engines and their containers; only the GPUs are simulated. Each test ends the same way: the
+invariant of tests/invariant.py must hold within two heartbeats of the fault settling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from tests.conftest import _busybox_tar
+from tests.faults.engine import ThrowawayEngine
+from tests.invariant import settles
+from tests.procs import AgentProc, ManagerProc, wait_for
+
+GiB = 1 << 30
+USAGE = "/tmp/use"
+READY = 30.0
+
+
+def job(image: str, memory: str, use: int = 0, **extra: Any) -> dict[str, Any]:
+    """A container that declares ``use`` bytes of simulated GPU memory and sleeps."""
+    return {"image": image, "gpu_memory": memory, "env": {"GPUMGR_SIM_USAGE_FILE": USAGE},
+            "command": ["sh", "-c", f"echo {use} > {USAGE}; exec sleep 300"], **extra}
+
+
+def fire(manager: ManagerProc, method: str, paths_or_bodies: list[Any]) -> tuple[list[Any], threading.Thread]:
+    """Send requests on background threads; the list fills with responses (or the exception each raised)."""
+    results: list[Any] = []
+
+    def one(item: Any) -> None:
+        try:
+            session = requests.Session()
+            if method == "POST":
+                results.append(session.post(manager.url + "/v1/containers", json=item, timeout=90))
+            else:
+                results.append(session.delete(manager.url + item, timeout=90))
+        except requests.RequestException as exc:
+            results.append(exc)
+
+    def all_of() -> None:
+        with ThreadPoolExecutor(len(paths_or_bodies)) as pool:
+            list(pool.map(one, paths_or_bodies))
+
+    thread = threading.Thread(target=all_of)
+    thread.start()
+    return results, thread
+
+
+def agent_again(tmp_path: Path, manager: ManagerProc, agent: AgentProc, **kw: Any) -> AgentProc:
+    """The same node's agent started again from its state directory (no token needed)."""
+    return AgentProc(tmp_path, manager, agent.node, gpus="sim:2x24GiB", state_dir=agent.state_dir, join=False, **kw)
+
+
+@pytest.fixture
+def cluster(tmp_path, test_image, docker_client, cleanup_containers) -> Iterator[dict[str, Any]]:
+    """A manager and one Docker agent (2 × 24 GiB simulated); the test may replace either."""
+    procs: dict[str, Any] = {"manager": ManagerProc(tmp_path)}
+    procs["agent"] = AgentProc(tmp_path, procs["manager"], "fault-a", gpus="sim:2x24GiB")
+    yield procs
+    for name in ("agent", "manager"):
+        with contextlib.suppress(Exception):
+            procs[name].stop(signal.SIGKILL if name == "agent" else signal.SIGTERM)
+
+
+def test_manager_killed_during_creates_loses_and_doubles_nothing(tmp_path, cluster, docker_client, test_image):
+    first = cluster["manager"]
+    results, thread = fire(first, "POST", [job(test_image, "4GiB") for _ in range(8)])
+    wait_for(lambda: len(docker_client.containers.list(all=True, filters={"label": "gpumgr.node=fault-a"})) >= 2,
+             30, what="creates under way")
+    first.stop(signal.SIGKILL)
+    thread.join(120)
+    cluster["manager"] = second = ManagerProc(tmp_path, api_port=first.api_port, agent_port=first.agent_port)
+    cluster["agent"].wait_ready(READY)
+    settles(second, docker_client, {"fault-a"})
+    running = second.get("/v1/containers", params={"state": "running"}).json()["containers"]
+    assert running, "the containers the agent finished creating were re-adopted"
+    answered = [r.json() for r in results if isinstance(r, requests.Response) and r.status_code == 201]
+    assert {r["id"] for r in answered} <= {r["id"] for r in running}, "a create answered 201 lost its grant"
+    assert sum(g["memory_reserved"] for g in second.node("fault-a")["gpus"]) == 4 * GiB * len(running)
+
+
+def test_manager_killed_during_deletes(tmp_path, cluster, docker_client, test_image):
+    first = cluster["manager"]
+    records = [first.post("/v1/containers", json=job(test_image, "3GiB")).json() for _ in range(4)]
+    results, thread = fire(first, "DELETE", [f"/v1/containers/{r['id']}" for r in records])
+    time.sleep(0.3)
+    first.stop(signal.SIGKILL)
+    thread.join(120)
+    cluster["manager"] = second = ManagerProc(tmp_path, api_port=first.api_port, agent_port=first.agent_port)
+    cluster["agent"].wait_ready(READY)
+    settles(second, docker_client, {"fault-a"})
+    # what the engine still runs is held again; what it removed holds nothing
+    alive = {c.labels["gpumgr.grant"] for c in docker_client.containers.list(filters={"label": "gpumgr.node=fault-a"})}
+    live = {r["id"] for r in second.get("/v1/containers").json()["containers"] if r["state"] == "running"}
+    assert alive == live
+    removed = {r.json()["id"] for r in results if isinstance(r, requests.Response) and r.status_code == 200}
+    assert not removed & alive, "a DELETE answered 200 left its container running"
+
+
+def test_agent_killed_during_creates(tmp_path, cluster, docker_client, test_image):
+    manager, agent = cluster["manager"], cluster["agent"]
+    results, thread = fire(manager, "POST", [job(test_image, "4GiB") for _ in range(8)])
+    wait_for(lambda: len(docker_client.containers.list(all=True, filters={"label": "gpumgr.node=fault-a"})) >= 2,
+             30, what="creates under way")
+    agent.stop(signal.SIGKILL)
+    cluster["agent"] = agent_again(tmp_path, manager, agent, wait=False)
+    cluster["agent"].wait_ready(READY)
+    thread.join(120)
+    codes = sorted(r.status_code for r in results)
+    # each create either ran (201) or failed with the agent's restart as its reason (502): none waited out a timeout
+    assert set(codes) <= {201, 502}, [r.text for r in results]
+    settles(manager, docker_client, {"fault-a"})
+
+
+def test_agent_killed_while_its_container_overruns(tmp_path, cluster, docker_client, test_image):
+    manager, agent = cluster["manager"], cluster["agent"]
+    greedy = manager.post("/v1/containers", json=job(test_image, "2GiB", GiB)).json()
+    calm = manager.post("/v1/containers", json=job(test_image, "2GiB", GiB)).json()
+    agent.stop(signal.SIGKILL)
+    docker_client.containers.get(greedy["container_id"]).exec_run(["sh", "-c", f"echo {3 * GiB} > {USAGE}"])
+    cluster["agent"] = agent_again(tmp_path, manager, agent)
+    killed = wait_for(lambda: (r := manager.get(f"/v1/containers/{greedy['id']}").json())["state"] == "killed" and r,
+                      READY, what="the overrun to be killed by the restarted agent")
+    assert killed["reason"] == "gpu_memory_exceeded" and killed["exit_code"] is not None
+    assert manager.get(f"/v1/containers/{calm['id']}").json()["state"] == "running"
+    settles(manager, docker_client, {"fault-a"})
+
+
+def test_agent_stopped_past_the_down_threshold_keeps_intent(tmp_path, cluster, docker_client, test_image):
+    manager, agent = cluster["manager"], cluster["agent"]
+    keep = manager.post("/v1/containers", json=job(test_image, "5GiB")).json()
+    drop = manager.post("/v1/containers", json=job(test_image, "5GiB")).json()
+    os.kill(agent.popen.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: manager.node("fault-a")["state"] == "down", 15, what="the node marked down")
+        assert manager.post("/v1/containers", json=job(test_image, "1GiB")).status_code == 503
+        accepted = manager.delete(f"/v1/containers/{drop['id']}")
+        assert accepted.status_code == 202, accepted.text
+        # the container may still run on the silent node: its grant stays until the node confirms
+        assert sum(g["memory_reserved"] for g in manager.node("fault-a")["gpus"]) == 10 * GiB
+    finally:
+        os.kill(agent.popen.pid, signal.SIGCONT)
+    wait_for(lambda: manager.get(f"/v1/containers/{drop['id']}").json()["state"] == "removed", READY,
+             what="the kept DELETE to be carried out")
+    assert manager.get(f"/v1/containers/{keep['id']}").json()["state"] == "running"
+    assert not docker_client.containers.list(all=True, filters={"label": f"gpumgr.grant={drop['id']}"})
+    settles(manager, docker_client, {"fault-a"})
+
+
+def test_dockerd_killed_and_restarted_under_running_containers(tmp_path, test_image):
+    engine = ThrowawayEngine(_busybox_tar(_busybox()))
+    manager = ManagerProc(tmp_path)
+    agent = AgentProc(tmp_path, manager, "fault-d", gpus="sim:2x24GiB", env=engine.env)
+    try:
+        records = [manager.post("/v1/containers", json=job(test_image, "3GiB")).json() for _ in range(3)]
+        assert all(r["state"] == "running" for r in records), records
+        engine.kill9()
+        time.sleep(2 * 1.0)
+        engine.start()
+        # the agent lived through the outage; every container's end (or survival) reaches the map
+        wait_for(lambda: manager.node("fault-d")["state"] == "ready", READY, what="the node ready again")
+        settles(manager, engine.client, {"fault-d"}, within=READY)
+        settles(manager, engine.client, {"fault-d"})
+        after = manager.post("/v1/containers", json=job(test_image, "3GiB"))
+        assert after.status_code == 201, after.text  # the agent drives the restarted engine
+        settles(manager, engine.client, {"fault-d"})
+    finally:
+        agent.stop(signal.SIGKILL)
+        manager.stop()
+        engine.stop()
+
+
+def test_a_burst_of_placements_on_a_nearly_full_cluster(tmp_path, cluster, docker_client, test_image):
+    manager = cluster["manager"]
+    for _ in range(2):  # 2 × 22 GiB of 2 × 24 GiB taken: 4 GiB free in all
+        assert manager.post("/v1/containers", json=job(test_image, "22GiB")).status_code == 201
+    body = job(test_image, "1GiB")
+    local = threading.local()
+
+    def place(_: int) -> int:
+        local.session = getattr(local, "session", None) or requests.Session()
+        return int(local.session.post(manager.url + "/v1/containers", json=body, timeout=120).status_code)
+
+    with ThreadPoolExecutor(32) as pool:
+        codes = list(pool.map(place, range(1000)))
+    assert codes.count(201) == 4 and codes.count(409) == 996, sorted(set(codes))
+    containers = manager.get("/v1/containers", params={"state": "running"}).json()["containers"]
+    assert len({c["container_id"] for c in containers}) == len(containers) == 6
+    settles(manager, docker_client, {"fault-a"})
+
+
+def _busybox() -> str:
+    import shutil
+
+    return shutil.which("busybox") or "/bin/busybox"

@@ -1,0 +1,141 @@
+"""The one invariant of gpumgr, checked over the manager's model and the engines' truth.
+
+For every GPU the live grants sum to at most its memory minus the headroom (and to exactly what the
+map shows as reserved); every live grant belongs to exactly one container that exists in the engine,
+or is still being created with a deadline; every container that runs under gpumgr holds exactly one
+live grant; every record that ended carries its final state, reason, ``finished_at`` (and exit code,
+where it exited or was killed) and exactly one final event. Every fault test ends with
+:func:`settles`, which waits at most two heartbeats for it to hold.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from typing import Any
+
+from gpumgr.wire import defaults
+from gpumgr.wire.names import Label
+
+LIVE = {"creating", "running"}
+ENDED = {"exited", "killed", "failed", "removed"}
+#: Engine states in which a container's processes may hold GPU memory.
+ENGINE_ALIVE = {"running", "paused", "restarting"}
+SETTLE = 2 * defaults.HEARTBEAT_INTERVAL
+
+
+def violations(manager: Any, docker_client: Any, nodes: set[str]) -> list[str]:
+    """Every way the manager's model of ``nodes`` and their engine disagree with the invariant (empty: it holds).
+
+    ``manager`` is a running manager (``tests.procs.ManagerProc``); ``docker_client`` reads the one
+    engine the nodes' agents drive. Containers of other nodes on that engine are not looked at.
+    """
+    found: list[str] = []
+    node_list = manager.get("/v1/nodes").json()["nodes"]
+    records = manager.get("/v1/containers").json()["containers"]
+    events = manager.get("/v1/events").json()["events"]
+    mine = [r for r in records if r["node"] in nodes]
+    known = {r["container_id"] for r in mine if r["container_id"]}
+    engine = [c for c in docker_client.containers.list(all=True, sparse=False)
+              if c.labels.get(Label.NODE) in nodes or c.id in known]
+    by_id = {c.id: c for c in engine}
+    by_grant: dict[str, list[Any]] = defaultdict(list)
+    for container in engine:
+        if (grant := _grant_of(container)) is not None:
+            by_grant[grant].append(container)
+    live = [r for r in mine if r["state"] in LIVE]
+
+    # 1. memory: per GPU, live grants fit and the map's figures are their sum
+    per_gpu: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for record in live:
+        for gpu in record["gpus"]:
+            per_gpu[gpu["uuid"]].append(record)
+    for node in node_list:
+        if node["name"] not in nodes:
+            continue
+        for gpu in node["gpus"]:
+            holders = per_gpu.pop(gpu["uuid"], [])
+            granted = sum(r["gpu_memory"] for r in holders)
+            if granted > gpu["memory_total"] - gpu["memory_headroom"]:
+                found.append(f"GPU {gpu['uuid']} is over-granted: {granted} of {gpu['memory_total']} "
+                             f"(headroom {gpu['memory_headroom']})")
+            if gpu["memory_reserved"] != granted:
+                found.append(f"GPU {gpu['uuid']} shows {gpu['memory_reserved']} reserved, its live grants sum to "
+                             f"{granted}")
+            if sorted(gpu["containers"]) != sorted(r["id"] for r in holders):
+                found.append(f"GPU {gpu['uuid']} lists holders {gpu['containers']}, live grants on it are "
+                             f"{sorted(r['id'] for r in holders)}")
+    for uuid, holders in per_gpu.items():
+        if any(r["state"] == "running" for r in holders):
+            found.append(f"live grants {[r['id'] for r in holders]} hold GPU {uuid}, which is on no node's map")
+
+    # 2. every live grant: exactly one container in the engine, or a create in progress with a deadline
+    engine_ids = Counter(r["container_id"] for r in live if r["container_id"])
+    for record in live:
+        containers = {c.id: c for c in by_grant.get(record["id"], [])}
+        if record["container_id"] in by_id:
+            containers[record["container_id"]] = by_id[record["container_id"]]
+        if record["state"] == "creating":
+            if record.get("confirm_by") is None:
+                found.append(f"grant {record['id']} is creating with no deadline")
+            if len(containers) > 1:
+                found.append(f"creating grant {record['id']} has {len(containers)} containers")
+            continue
+        alive = [c for c in containers.values() if c.status in ENGINE_ALIVE]
+        if len(alive) != 1:
+            found.append(f"running grant {record['id']} has {len(alive)} live engine containers "
+                         f"({ {c.short_id: c.status for c in containers.values()} })")
+        if record["container_id"] and engine_ids[record["container_id"]] > 1:
+            found.append(f"container {record['container_id'][:12]} holds {engine_ids[record['container_id']]} grants")
+
+    # 3. every container that runs under gpumgr holds exactly one live grant
+    live_ids = {r["id"] for r in live}
+    live_containers = {r["container_id"] for r in live if r["container_id"]}
+    for container in engine:
+        if container.status not in ENGINE_ALIVE:
+            continue
+        grant = _grant_of(container)
+        if container.id not in live_containers and (grant is None or grant not in live_ids):
+            found.append(f"container {container.short_id} ({container.name}, grant {grant}) runs with no live grant")
+
+    # 4. every ended record is complete, with exactly one final event
+    oldest_event = events[0]["time"] if len(events) >= defaults.EVENTS_KEPT else 0.0
+    finals = Counter(e["container"] for e in events if e.get("final"))
+    for record in mine:
+        if record["state"] in LIVE:
+            if finals[record["id"]]:
+                found.append(f"live grant {record['id']} already has a final event")
+            continue
+        if record["state"] not in ENDED:
+            found.append(f"record {record['id']} has unknown state {record['state']!r}")
+        missing = [k for k in ("reason", "finished_at") if not record[k]]
+        if record["state"] in ("exited", "killed") and record["exit_code"] is None and record["container_id"]:
+            missing.append("exit_code")
+        if missing:
+            found.append(f"{record['state']} record {record['id']} lacks {', '.join(missing)}")
+        if record["finished_at"] and record["finished_at"] >= oldest_event and finals[record["id"]] != 1:
+            found.append(f"{record['state']} record {record['id']} has {finals[record['id']]} final events")
+    return found
+
+
+def settles(manager: Any, docker_client: Any, nodes: set[str], within: float = SETTLE,
+            after: float = 0.0) -> None:
+    """Fail unless the invariant holds within ``within`` seconds (two heartbeats), after an optional pause.
+
+    ``after`` is for faults whose effect is only visible once a detector has run (a node marked down,
+    a deadline passed): the settling time is counted from there.
+    """
+    time.sleep(after)
+    deadline = time.monotonic() + within
+    while True:
+        problems = violations(manager, docker_client, nodes)
+        if not problems:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("invariant broken:\n  " + "\n  ".join(problems))
+        time.sleep(0.1)
+
+
+def _grant_of(container: Any) -> str | None:
+    grant: str | None = container.labels.get(Label.GRANT)
+    return grant
