@@ -30,6 +30,8 @@ from gpumgr.wire.errors import AgentTimeout, NoAgents, ProtocolError
 log = logging.getLogger(__name__)
 
 _WAKE = b"w"
+#: Frames handled per wake-up before queued replies are sent.
+DRAIN_BATCH = 256
 
 
 @dataclass(frozen=True)
@@ -191,12 +193,13 @@ class Link:
             if pull in events:
                 while pull.poll(0):
                     pull.recv()
-            if sock in events:
-                self._drain(sock)
+            more = sock in events and self._drain(sock)
             ready = {fd for fd in events if isinstance(fd, int)}
             if ready and self._hooks.on_ready is not None:
                 self._hooks.on_ready(ready)
             wait = self._run_tick()
+            if more:  # frames are still waiting: come straight back once what is queued has left
+                wait = 0.0
             self._expire()
             self._flush(sock)
 
@@ -272,13 +275,19 @@ class Link:
         if pending is not None and not pending.future.done():
             pending.future.set_exception(error)
 
-    def _drain(self, sock: zmq.Socket[bytes]) -> None:
-        while True:
+    def _drain(self, sock: zmq.Socket[bytes]) -> bool:
+        """Handle what has arrived, at most DRAIN_BATCH frames; True if more may wait.
+
+        The cap lets replies queued by the handlers leave between batches, so a flood of incoming
+        heartbeats cannot starve what we send.
+        """
+        for _ in range(DRAIN_BATCH):
             try:
                 parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                return False
             self._dispatch(parts)
+        return True
 
     def _dispatch(self, parts: list[zmq.Frame]) -> None:
         routed = self.kind == zmq.ROUTER
