@@ -29,6 +29,7 @@ from gpumgr.wire import defaults, security
 from gpumgr.wire.errors import InvalidRequest, NotFound, RuntimeFailure
 from gpumgr.wire.names import Env, Label, State
 from gpumgr.wire.protocol import ContainerSpec, RefusedAdoption, Reserve
+from gpumgr.wire.units import parse_bytes
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +205,7 @@ class DockerRuntime(Runtime):
         attrs = self._engine_record(request.container_id)
         env = dict(item.split("=", 1) for item in attrs["Config"].get("Env") or [] if "=" in item)
         try:
-            memory, gpus = int(env[Env.REQUEST_MEMORY]), int(env.get(Env.REQUEST_GPUS, "1"))
+            memory, gpus = parse_bytes(env[Env.REQUEST_MEMORY]), int(env.get(Env.REQUEST_GPUS, "1"))
             labels = {label: env[var] for var, label in TASK_LABELS.items() if env.get(var)}
             return Reserve(container_id=summary["Id"], gpu_memory=memory, gpus=gpus, labels=labels,
                            name=env.get(Env.TASK_NAME) or str(attrs.get("Name", "")).lstrip("/"),
@@ -257,10 +258,21 @@ class DockerRuntime(Runtime):
             state = self._engine_state(managed.container_id)
             if state == "running":
                 continue  # its start event was missed; the next event or resync reports it
-            if state is None or state != "created" or now - managed.created_at > older_than:
+            error = self._start_error(managed.container_id) if state == "created" else None
+            if state != "created" or error or now - managed.created_at > older_than:
                 managed.reason = "never_started" if state is not None else "removed_before_start"
+                if error:
+                    managed.detail = {"error": error[:1024]}
                 self._exited(managed, None)
                 self._untrack(managed.grant)
+
+    def _start_error(self, container_id: str) -> str | None:
+        """Why the engine could not start ``container_id`` (a created container whose start failed), if it says."""
+        try:
+            state = self._engine_record(container_id).get("State") or {}
+        except InvalidRequest:
+            return None
+        return str(state.get("Error") or "") or (f"exit code {state['ExitCode']}" if state.get("ExitCode") else None)
 
     def _engine_state(self, container_id: str) -> str | None:
         """The container's state in the engine's lock-free list (``running``, ``created``, ...); None if gone."""

@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 
 from gpumgr.wire import defaults
 from gpumgr.wire.names import Env, Label
+from gpumgr.wire.units import parse_bytes
 
 REQUEST_MEMORY = Env.REQUEST_MEMORY
 REQUEST_GPUS = Env.REQUEST_GPUS
@@ -175,7 +176,7 @@ def real_runtime(config: dict[str, Any]) -> str:
 def _reserve_message(container_id: str, env: dict[str, str]) -> dict[str, Any]:
     """The body of a ``reserve`` message (the agent validates it in full before forwarding it)."""
     try:
-        memory, gpus = int(env[REQUEST_MEMORY]), int(env.get(REQUEST_GPUS, "1"))
+        memory, gpus = parse_bytes(env[REQUEST_MEMORY]), int(env.get(REQUEST_GPUS, "1"))
     except ValueError as exc:
         raise Refused(f"gpumgr: bad GPU request in the container's environment: {exc}") from exc
     if memory <= 0 or gpus <= 0:

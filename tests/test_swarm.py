@@ -144,3 +144,59 @@ def _an_overrunning_replica_is_killed_and_replaced(engine, manager):
     assert record["reason"] == "gpu_memory_exceeded" and record["detail"]["overrun"]["observed"] == 7 * GiB
     wait_for(lambda: grants_match_tasks(engine, manager, 2) and target["Id"] not in
              {c["Id"] for c in engine.containers(SERVICE)}, 60, what="swarm to replace the killed replica")
+
+
+def test_a_plain_docker_run_through_the_hook_is_confirmed_running(engine, cluster):
+    """Issue item 4: a hook grant of a plain ``docker run`` became ``running``, not ``creating`` for life."""
+    manager, _ = cluster
+    cid = engine.docker("run", "-d", "--network", "none", "-e", "GPUMGR_REQUEST_MEMORY=1GiB", IMAGE,
+                        "sleep", "300").stdout.strip()
+    try:
+        record = wait_for(lambda: next((r for r in manager.get("/v1/containers").json()["containers"]
+                                        if r["container_id"] == cid and r["state"] == "running"), None), 15,
+                          what="the hook grant confirmed running")
+        assert record["gpu_memory"] == GiB and record["confirm_by"] is None
+    finally:
+        engine.docker("rm", "-f", cid, check=False)
+    wait_for(lambda: manager.get(f"/v1/containers/{record['id']}").json()["state"] not in ("creating", "running"),
+             15, what="the grant freed after docker rm")
+
+
+def test_a_hook_grant_whose_container_never_starts_is_released(engine, cluster):
+    """Issue item 4: a container that never started (bad command) kept its hook grant ``creating`` forever."""
+    manager, _ = cluster
+    failed = engine.docker("run", "-d", "--network", "none", "-e", "GPUMGR_REQUEST_MEMORY=2GiB", IMAGE,
+                           "/no/such/binary", check=False)
+    assert failed.returncode != 0
+    wait_for(lambda: all(g["memory_reserved"] == 0 for g in manager.node("swarm-node")["gpus"]), 40,
+             what="the grant of the container that never started to be released")
+    ended = [r for r in manager.get("/v1/containers").json()["containers"] if r["gpu_memory"] == 2 * GiB]
+    assert ended and all(r["state"] not in ("creating", "running") and r["reason"] for r in ended), ended
+    engine.docker("container", "prune", "-f", check=False)
+
+
+def test_swarm_tasks_are_readopted_after_an_agent_restart(engine, cluster, tmp_path):
+    """Issue item 6: Swarm task containers were not re-adopted after an agent restart."""
+    manager, agent = cluster
+    created = docker_gpu(engine, manager, "service", "create", "--detach", "--gpu-memory", "4GiB", "--replicas", "2",
+                         "--name", "again", "--stop-grace-period", "1s", IMAGE, "sleep", "3600")
+    assert created.returncode == 0, created.stderr
+    again = None
+    try:
+        grants = wait_for(lambda: (g := [r for r in manager.get("/v1/containers", params={"service": "again"}).json()[
+            "containers"] if r["state"] == "running"]) and len(g) == 2 and g, 60, what="2 running replicas")
+        agent.stop()
+        again = AgentProc(tmp_path, manager, "swarm-node", gpus="sim:2x13GiB", state_dir=agent.state_dir, join=False,
+                          env={"DOCKER_HOST": engine.env["DOCKER_HOST"], "GPUMGR_HOOK_SOCKET": engine.hook_socket})
+        after = {r["id"]: r for r in manager.get("/v1/containers", params={"service": "again"}).json()["containers"]}
+        for grant in grants:  # the same grants, still running, on the same containers
+            assert after[grant["id"]]["state"] == "running"
+            assert after[grant["id"]]["container_id"] == grant["container_id"]
+        assert sum(g["memory_reserved"] for g in manager.node("swarm-node")["gpus"]) == 8 * GiB
+        assert "not adopted" not in " ".join(e["message"] for e in manager.events())
+    finally:
+        docker_gpu(engine, manager, "service", "rm", "again")
+        wait_for(lambda: all(g["memory_reserved"] == 0 for g in manager.node("swarm-node")["gpus"]), 30,
+                 what="every grant freed after rm")
+        if again is not None:
+            again.stop()
