@@ -45,8 +45,6 @@ does nothing.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import hashlib
 import importlib.util
 import json
 import os
@@ -54,12 +52,11 @@ import shlex
 import shutil
 import signal
 import sys
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpumgr.plugin.docker_gpu import METADATA
+from gpumgr.plugin.files import Change, apply, mode_of, read_bytes, sha256_of
 from gpumgr.plugin.hook import CONFIG as RUNTIME_CONFIG
 from gpumgr.plugin.hook import DEFAULT_SOCKET, REQUEST_MEMORY, RUNTIME_CANDIDATES, SEARCH_PATH
 from gpumgr.wire.names import Env
@@ -210,15 +207,6 @@ def _import_folder(name: str) -> str | None:
 
 # --- install ---------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Change:
-    """One file to write (``data``) or remove (``data is None``)."""
-
-    path: Path
-    data: bytes | None
-    mode: int = 0o644
-
-
 def install(args: argparse.Namespace) -> int:
     """Do the set-up and say what, if anything, the user must still do."""
     try:
@@ -227,7 +215,7 @@ def install(args: argparse.Namespace) -> int:
         print(f"gpumgr plugin install: {exc}; nothing was written", file=sys.stderr)
         return 2
     try:
-        _apply(changes)
+        apply(changes)
     except OSError as exc:
         print(f"gpumgr plugin install: {exc}; what had been written is undone", file=sys.stderr)
         return 1
@@ -257,7 +245,7 @@ def _plan_install(args: argparse.Namespace) -> tuple[list[Change], list[str], bo
     runtime_config = Path(args.runtime_config).absolute()
     hook = (Path(args.bin_dir) / "gpumgr-runtime").absolute()
     cli = (Path(args.cli_plugins_dir) / "docker-gpu").absolute()
-    raw = _read_bytes(target)
+    raw = read_bytes(target)
     config = _parse_daemon_json(raw, daemon_path)
     old_state = _read_state(runtime_config, daemon_path)
     default = not args.no_default_runtime
@@ -277,7 +265,7 @@ def _plan_install(args: argparse.Namespace) -> tuple[list[Change], list[str], bo
         wanted["default-runtime"] = RUNTIME_NAME
     daemon_changed = wanted != config
     new_daemon = (json.dumps(wanted, indent=2) + "\n").encode()
-    digest = _digest(new_daemon) if daemon_changed else None
+    digest = sha256_of(new_daemon) if daemon_changed else None
 
     fresh = RUNTIME_NAME not in config.get("runtimes", {})
     backup_data: bytes | None = None
@@ -292,7 +280,7 @@ def _plan_install(args: argparse.Namespace) -> tuple[list[Change], list[str], bo
                  if old_state else _backup_default(backup)}
         if default and current_default not in (None, RUNTIME_NAME):
             state["previous_default_runtime"] = current_default
-        untouched = raw is not None and old_state.get("daemon_config_sha256") == _digest(raw)
+        untouched = raw is not None and old_state.get("daemon_config_sha256") == sha256_of(raw)
         state["daemon_config_sha256"] = (digest or old_state["daemon_config_sha256"]) if untouched else None
     state.update({"daemon_config": str(daemon_path), "backup": str(backup) if backup.exists() or backup_data
                   is not None else None, "hook": str(hook), "cli_plugin": str(cli)})
@@ -308,9 +296,9 @@ def _plan_install(args: argparse.Namespace) -> tuple[list[Change], list[str], bo
     changes = [Change(hook, hook_text.encode(), 0o755), Change(cli, cli_text.encode(), 0o755),
                Change(runtime_config, (json.dumps(settings, indent=2) + "\n").encode())]
     if backup_data is not None and daemon_changed:
-        changes.append(Change(backup, backup_data, _mode(target)))
+        changes.append(Change(backup, backup_data, mode_of(target)))
     if daemon_changed:
-        changes.append(Change(target, new_daemon, _mode(target)))
+        changes.append(Change(target, new_daemon, mode_of(target)))
     notes[:0] = [f"installed the OCI runtime hook {hook}: containers granted GPU memory by gpumgr run under "
                  f"{gpu_runtime}, every other container under {plain}",
                  f"installed the Docker CLI plugin {cli} (try: docker gpu nodes)",
@@ -373,28 +361,10 @@ def _read_state(runtime_config: Path, daemon_path: Path) -> dict[str, Any]:
 def _backup_default(backup: Path) -> str | None:
     """The default runtime the backup names, unless it is gpumgr's own (a backup from an older install)."""
     try:
-        found = _parse_daemon_json(_read_bytes(backup), backup).get("default-runtime")
+        found = _parse_daemon_json(read_bytes(backup), backup).get("default-runtime")
     except Refused:
         return None
     return found if isinstance(found, str) and found != RUNTIME_NAME else None
-
-
-def _read_bytes(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        return None
-
-
-def _mode(path: Path) -> int:
-    try:
-        return path.stat().st_mode & 0o7777
-    except FileNotFoundError:
-        return 0o644
-
-
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 # --- uninstall -------------------------------------------------------------------------------------
@@ -407,7 +377,7 @@ def uninstall(args: argparse.Namespace) -> int:
         print(f"gpumgr plugin uninstall: {exc}; nothing was changed", file=sys.stderr)
         return 2
     try:
-        _apply(changes)
+        apply(changes)
     except OSError as exc:
         print(f"gpumgr plugin uninstall: {exc}; what had been changed is undone", file=sys.stderr)
         return 1
@@ -433,20 +403,20 @@ def _plan_uninstall(args: argparse.Namespace) -> tuple[list[Change], list[str], 
     backup = daemon_path.with_name(daemon_path.name + BACKUP_SUFFIX)
     runtime_config = Path(args.runtime_config).absolute()
     state = _read_state(runtime_config, daemon_path)
-    raw = _read_bytes(target)
+    raw = read_bytes(target)
     config = _parse_daemon_json(raw, daemon_path)
     changes: list[Change] = []
     notes: list[str] = []
     daemon_changed = False
-    if raw is not None and state.get("daemon_config_sha256") == _digest(raw):  # as install left it
-        backup_data = _read_bytes(backup)
+    if raw is not None and state.get("daemon_config_sha256") == sha256_of(raw):  # as install left it
+        backup_data = read_bytes(backup)
         if state.get("created_daemon_config"):
             changes.append(Change(target, None))
             notes.append(f"removed {daemon_path}: gpumgr plugin install created it")
             daemon_changed = True
         elif backup_data is not None:
             _parse_daemon_json(backup_data, backup)
-            changes += [Change(target, backup_data, _mode(target)), Change(backup, None)]
+            changes += [Change(target, backup_data, mode_of(target)), Change(backup, None)]
             notes.append(f"restored {daemon_path} from {backup}")
             daemon_changed = True
     if not daemon_changed and raw is not None:  # edited since install (or no record): take out only gpumgr's
@@ -458,7 +428,7 @@ def _plan_uninstall(args: argparse.Namespace) -> tuple[list[Change], list[str], 
                 changes.append(Change(target, None))
                 notes.append(f"removed {daemon_path}: gpumgr plugin install created it")
             else:
-                changes.append(Change(target, (json.dumps(stripped, indent=2) + "\n").encode(), _mode(target)))
+                changes.append(Change(target, (json.dumps(stripped, indent=2) + "\n").encode(), mode_of(target)))
                 notes.append(f"took runtime {RUNTIME_NAME!r} out of {daemon_path}"
                              + (f" and made {previous!r} the default runtime again"
                                 if config.get("default-runtime") == RUNTIME_NAME and previous else "")
@@ -468,7 +438,7 @@ def _plan_uninstall(args: argparse.Namespace) -> tuple[list[Change], list[str], 
     launchers = {Path(args.bin_dir).absolute() / "gpumgr-runtime", Path(args.cli_plugins_dir).absolute() / "docker-gpu"}
     launchers.update(Path(state[key]) for key in ("hook", "cli_plugin") if isinstance(state.get(key), str))
     for launcher in sorted(launchers):
-        text = _read_bytes(launcher)
+        text = read_bytes(launcher)
         if text is None:
             continue
         lines = text.split(b"\n", 2)
@@ -497,74 +467,6 @@ def _strip(config: dict[str, Any], previous_default: str | None) -> dict[str, An
         else:
             del stripped["default-runtime"]
     return stripped
-
-
-# --- writing ---------------------------------------------------------------------------------------
-
-def _apply(changes: list[Change]) -> None:
-    """Make ``changes`` in order, each atomically; if one fails, undo those made and raise."""
-    undo: list[Change] = []
-    made_dirs: list[Path] = []
-    try:
-        for change in changes:
-            previous = Change(change.path, _read_bytes(change.path), _mode(change.path))
-            if change.data is None:
-                if previous.data is not None:
-                    change.path.unlink()
-                    _fsync_dir(change.path.parent)
-                    undo.append(previous)
-                continue
-            if previous.data == change.data and previous.mode == change.mode:
-                continue  # already so: leave it (and its time stamps) alone
-            made_dirs += _make_dirs(change.path.parent)
-            _write_atomically(change.path, change.data, change.mode)
-            undo.append(previous)
-    except BaseException:
-        for previous in reversed(undo):
-            with contextlib.suppress(OSError):
-                if previous.data is None:
-                    previous.path.unlink(missing_ok=True)
-                else:
-                    _write_atomically(previous.path, previous.data, previous.mode)
-        for folder in reversed(made_dirs):
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        raise
-
-
-def _make_dirs(folder: Path) -> list[Path]:
-    """Create ``folder`` and its missing parents; the ones created, outermost first."""
-    missing = [parent for parent in (folder, *folder.parents) if not parent.exists()][::-1]
-    folder.mkdir(parents=True, exist_ok=True)
-    return missing
-
-
-def _write_atomically(path: Path, data: bytes, mode: int) -> None:
-    """Replace ``path`` with ``data``: a temporary file beside it, fsync, rename, fsync of the folder."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fchmod(handle.fileno(), mode)
-            with contextlib.suppress(FileNotFoundError, PermissionError):
-                owner = path.stat()  # keep the owner of a file replaced (root's, or a config manager's)
-                os.fchown(handle.fileno(), owner.st_uid, owner.st_gid)
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _reload(pidfile: Path) -> str:
