@@ -466,3 +466,15 @@ def test_a_create_for_an_agent_that_died_fails_at_once_and_frees_the_grant(tmp_p
         if agent is not None:
             agent.stop()
         manager.stop()
+
+
+def test_an_agent_re_reports_only_the_newest_ends_so_the_cap_holds() -> None:
+    """Issue item 11: an agent with many exited containers registers only the newest ends, and every live one."""
+    from gpumgr.agent.agent import _newest_ends
+    from gpumgr.agent.runtime import Managed
+
+    live = [Managed(grant=f"live{i}", container_id=f"c{i}", name="n", gpus=["g"], gpu_memory=1) for i in range(3)]
+    ended = [Managed(grant=f"end{i}", container_id=f"e{i}", name="n", gpus=["g"], gpu_memory=1, state="exited",
+                     exit_code=0, finished_at=1000.0 + i) for i in range(50)]
+    kept = _newest_ends(ended[:20] + live + ended[20:], 10)
+    assert {m.grant for m in kept} == {m.grant for m in live} | {f"end{i}" for i in range(40, 50)}
