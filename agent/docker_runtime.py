@@ -108,7 +108,11 @@ class DockerRuntime(Runtime):
         except docker.errors.NotFound:
             pass
         except docker.errors.APIError as exc:
+            self._not_removing(managed)
             raise RuntimeFailure(f"docker could not remove the container: {exc.explanation}") from exc
+        except Exception as exc:  # the engine went away mid-removal: the container's fate is read when it is back
+            self._not_removing(managed)
+            raise RuntimeFailure(f"docker could not remove the container: {exc}") from exc
         self._untrack(grant)
 
     def kill(self, grant: str, reason: str, detail: dict[str, Any] | None = None) -> None:

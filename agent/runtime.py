@@ -145,6 +145,12 @@ class Runtime:
                 managed.state = REMOVING
         return managed
 
+    def _not_removing(self, managed: Managed) -> None:
+        """A removal that failed: the container is running again as far as we know, and its end is reported."""
+        with self._lock:
+            if managed.state == REMOVING:
+                managed.state = State.RUNNING
+
     def _mark(self, grant: str, reason: str, detail: dict[str, Any] | None) -> Managed:
         managed = self.get(grant)
         with self._lock:

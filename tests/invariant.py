@@ -36,8 +36,9 @@ def violations(manager: Any, docker_client: Any, nodes: set[str]) -> list[str]:
     events = manager.get("/v1/events").json()["events"]
     mine = [r for r in records if r["node"] in nodes]
     known = {r["container_id"] for r in mine if r["container_id"]}
-    engine = [c for c in docker_client.containers.list(all=True, sparse=False)
-              if c.labels.get(Label.NODE) in nodes or c.id in known]
+    # the engine's own list (one call, no per-container inspect that a concurrent removal could race)
+    engine = [_Engine(c) for c in docker_client.api.containers(all=True)]
+    engine = [c for c in engine if c.labels.get(Label.NODE) in nodes or c.id in known]
     by_id = {c.id: c for c in engine}
     by_grant: dict[str, list[Any]] = defaultdict(list)
     for container in engine:
@@ -134,6 +135,17 @@ def settles(manager: Any, docker_client: Any, nodes: set[str], within: float = S
         if time.monotonic() > deadline:
             raise AssertionError("invariant broken:\n  " + "\n  ".join(problems))
         time.sleep(0.1)
+
+
+class _Engine:
+    """One entry of the engine's container list, with the few fields the invariant reads."""
+
+    def __init__(self, summary: dict[str, Any]) -> None:
+        self.id: str = summary["Id"]
+        self.short_id = self.id[:12]
+        self.labels: dict[str, str] = summary.get("Labels") or {}
+        self.status: str = summary.get("State") or ""
+        self.name: str = (summary.get("Names") or ["?"])[0].lstrip("/")
 
 
 def _grant_of(container: Any) -> str | None:

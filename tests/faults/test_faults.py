@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import threading
 import time
@@ -79,7 +80,7 @@ def cluster(tmp_path, test_image, docker_client, cleanup_containers) -> Iterator
 def test_manager_killed_during_creates_loses_and_doubles_nothing(tmp_path, cluster, docker_client, test_image):
     first = cluster["manager"]
     results, thread = fire(first, "POST", [job(test_image, "4GiB") for _ in range(8)])
-    wait_for(lambda: len(docker_client.containers.list(all=True, filters={"label": "gpumgr.node=fault-a"})) >= 2,
+    wait_for(lambda: len(docker_client.api.containers(all=True, filters={"label": "gpumgr.node=fault-a"})) >= 2,
              30, what="creates under way")
     first.stop(signal.SIGKILL)
     thread.join(120)
@@ -104,7 +105,8 @@ def test_manager_killed_during_deletes(tmp_path, cluster, docker_client, test_im
     cluster["agent"].wait_ready(READY)
     settles(second, docker_client, {"fault-a"})
     # what the engine still runs is held again; what it removed holds nothing
-    alive = {c.labels["gpumgr.grant"] for c in docker_client.containers.list(filters={"label": "gpumgr.node=fault-a"})}
+    running = docker_client.api.containers(filters={"label": "gpumgr.node=fault-a"})
+    alive = {c["Labels"]["gpumgr.grant"] for c in running}
     live = {r["id"] for r in second.get("/v1/containers").json()["containers"] if r["state"] == "running"}
     assert alive == live
     removed = {r.json()["id"] for r in results if isinstance(r, requests.Response) and r.status_code == 200}
@@ -114,7 +116,7 @@ def test_manager_killed_during_deletes(tmp_path, cluster, docker_client, test_im
 def test_agent_killed_during_creates(tmp_path, cluster, docker_client, test_image):
     manager, agent = cluster["manager"], cluster["agent"]
     results, thread = fire(manager, "POST", [job(test_image, "4GiB") for _ in range(8)])
-    wait_for(lambda: len(docker_client.containers.list(all=True, filters={"label": "gpumgr.node=fault-a"})) >= 2,
+    wait_for(lambda: len(docker_client.api.containers(all=True, filters={"label": "gpumgr.node=fault-a"})) >= 2,
              30, what="creates under way")
     agent.stop(signal.SIGKILL)
     cluster["agent"] = agent_again(tmp_path, manager, agent, wait=False)
@@ -157,31 +159,108 @@ def test_agent_stopped_past_the_down_threshold_keeps_intent(tmp_path, cluster, d
     wait_for(lambda: manager.get(f"/v1/containers/{drop['id']}").json()["state"] == "removed", READY,
              what="the kept DELETE to be carried out")
     assert manager.get(f"/v1/containers/{keep['id']}").json()["state"] == "running"
-    assert not docker_client.containers.list(all=True, filters={"label": f"gpumgr.grant={drop['id']}"})
+    assert not docker_client.api.containers(all=True, filters={"label": f"gpumgr.grant={drop['id']}"})
     settles(manager, docker_client, {"fault-a"})
 
 
-def test_dockerd_killed_and_restarted_under_running_containers(tmp_path, test_image):
-    engine = ThrowawayEngine(_busybox_tar(_busybox()))
+@pytest.fixture
+def own_engine(tmp_path, test_image) -> Iterator[dict[str, Any]]:
+    """A manager and one agent driving a throw-away dockerd that the test may kill -9."""
+    engine = ThrowawayEngine(_busybox_tar(shutil.which("busybox") or "/bin/busybox"))
     manager = ManagerProc(tmp_path)
     agent = AgentProc(tmp_path, manager, "fault-d", gpus="sim:2x24GiB", env=engine.env)
-    try:
-        records = [manager.post("/v1/containers", json=job(test_image, "3GiB")).json() for _ in range(3)]
-        assert all(r["state"] == "running" for r in records), records
-        engine.kill9()
-        time.sleep(2 * 1.0)
-        engine.start()
-        # the agent lived through the outage; every container's end (or survival) reaches the map
-        wait_for(lambda: manager.node("fault-d")["state"] == "ready", READY, what="the node ready again")
-        settles(manager, engine.client, {"fault-d"}, within=READY)
-        settles(manager, engine.client, {"fault-d"})
-        after = manager.post("/v1/containers", json=job(test_image, "3GiB"))
-        assert after.status_code == 201, after.text  # the agent drives the restarted engine
-        settles(manager, engine.client, {"fault-d"})
-    finally:
-        agent.stop(signal.SIGKILL)
-        manager.stop()
-        engine.stop()
+    yield {"engine": engine, "manager": manager, "agent": agent}
+    agent.stop(signal.SIGKILL)
+    manager.stop()
+    engine.stop()
+
+
+def _engine_crash(own_engine: dict[str, Any]) -> None:
+    """kill -9 the engine, leave it down over two heartbeats, start it again; the agent lives through it."""
+    own_engine["engine"].kill9()
+    time.sleep(2.0)
+    own_engine["engine"].start()
+    wait_for(lambda: own_engine["manager"].node("fault-d")["state"] == "ready", READY, what="the node ready again")
+
+
+def _settles_after_engine_crash(own_engine: dict[str, Any], image: str) -> None:
+    manager, client = own_engine["manager"], own_engine["engine"].client
+    settles(manager, client, {"fault-d"}, within=READY)  # restarting containers and resync take a while
+    settles(manager, client, {"fault-d"})
+    after = manager.post("/v1/containers", json=job(image, "3GiB"))
+    assert after.status_code == 201, after.text  # the agent drives the restarted engine
+    settles(manager, client, {"fault-d"})
+
+
+def test_dockerd_killed_under_running_containers(own_engine, test_image):
+    manager = own_engine["manager"]
+    records = [manager.post("/v1/containers", json=job(test_image, "3GiB")).json() for _ in range(3)]
+    assert all(r["state"] == "running" for r in records), records
+    _engine_crash(own_engine)
+    _settles_after_engine_crash(own_engine, test_image)
+
+
+def test_dockerd_killed_during_creates(own_engine, test_image):
+    manager, client = own_engine["manager"], own_engine["engine"].client
+    results, thread = fire(manager, "POST", [job(test_image, "3GiB") for _ in range(6)])
+    wait_for(lambda: client.api.containers(all=True), 30, what="creates under way")
+    _engine_crash(own_engine)
+    thread.join(120)
+    assert all(isinstance(r, requests.Response) and r.status_code in (201, 502) for r in results), results
+    _settles_after_engine_crash(own_engine, test_image)
+
+
+def test_dockerd_killed_during_deletes(own_engine, test_image):
+    manager = own_engine["manager"]
+    records = [manager.post("/v1/containers", json=job(test_image, "3GiB")).json() for _ in range(3)]
+    results, thread = fire(manager, "DELETE", [f"/v1/containers/{r['id']}" for r in records])
+    time.sleep(0.3)
+    _engine_crash(own_engine)
+    thread.join(120)
+    # done (200), or refused at once because the engine was gone (502): never a hang
+    assert all(isinstance(r, requests.Response) and r.status_code in (200, 502) for r in results), results
+    _settles_after_engine_crash(own_engine, test_image)
+
+
+def test_dockerd_killed_during_an_overrun(own_engine, test_image):
+    manager, client = own_engine["manager"], own_engine["engine"].client
+    greedy = manager.post("/v1/containers", json=job(test_image, "2GiB", GiB)).json()
+    client.containers.get(greedy["container_id"]).exec_run(["sh", "-c", f"echo {3 * GiB} > {USAGE}"])
+    _engine_crash(own_engine)
+    ended = wait_for(lambda: (r := manager.get(f"/v1/containers/{greedy['id']}").json())["state"] != "running"
+                     and r, READY, what="the overrunning container's end on the map")
+    assert ended["state"] in ("killed", "exited") and ended["reason"], ended
+    _settles_after_engine_crash(own_engine, test_image)
+
+
+def test_manager_killed_during_an_overrun_records_the_kill_on_its_return(tmp_path, cluster, docker_client,
+                                                                          test_image):
+    first = cluster["manager"]
+    greedy = first.post("/v1/containers", json=job(test_image, "2GiB", GiB)).json()
+    first.stop(signal.SIGKILL)
+    docker_client.containers.get(greedy["container_id"]).exec_run(["sh", "-c", f"echo {3 * GiB} > {USAGE}"])
+    wait_for(lambda: not docker_client.containers.get(greedy["container_id"]).attrs["State"]["Running"]
+             or docker_client.containers.get(greedy["container_id"]).reload(), 15, what="the agent's kill")
+    cluster["manager"] = second = ManagerProc(tmp_path, api_port=first.api_port, agent_port=first.agent_port)
+    cluster["agent"].wait_ready(READY)
+    record = wait_for(lambda: (r := second.get(f"/v1/containers/{greedy['id']}")).ok and r.json(), 10,
+                      what="the kill to be recorded")
+    assert record["state"] == "killed" and record["reason"] == "gpu_memory_exceeded", record
+    assert record["finished_at"] and record["exit_code"] is not None
+    settles(second, docker_client, {"fault-a"})
+
+
+def test_agent_killed_during_deletes(tmp_path, cluster, docker_client, test_image):
+    manager, agent = cluster["manager"], cluster["agent"]
+    records = [manager.post("/v1/containers", json=job(test_image, "3GiB")).json() for _ in range(4)]
+    results, thread = fire(manager, "DELETE", [f"/v1/containers/{r['id']}" for r in records])
+    time.sleep(0.3)
+    agent.stop(signal.SIGKILL)
+    cluster["agent"] = agent_again(tmp_path, manager, agent)
+    thread.join(120)
+    # each DELETE was done (200) or failed at once with the agent's restart as its reason (502)
+    assert all(isinstance(r, requests.Response) and r.status_code in (200, 502) for r in results), results
+    settles(manager, docker_client, {"fault-a"})
 
 
 def test_a_burst_of_placements_on_a_nearly_full_cluster(tmp_path, cluster, docker_client, test_image):
@@ -201,9 +280,3 @@ def test_a_burst_of_placements_on_a_nearly_full_cluster(tmp_path, cluster, docke
     containers = manager.get("/v1/containers", params={"state": "running"}).json()["containers"]
     assert len({c["container_id"] for c in containers}) == len(containers) == 6
     settles(manager, docker_client, {"fault-a"})
-
-
-def _busybox() -> str:
-    import shutil
-
-    return shutil.which("busybox") or "/bin/busybox"
