@@ -56,6 +56,7 @@ class Agent:
         self._join_deadline = time.monotonic() + join_timeout
         self._joining = False
         self._pool = ThreadPoolExecutor(defaults.AGENT_WORKERS, thread_name_prefix="agent-cmd")
+        self._expiring: Future[None] | None = None
         self._relay: HookRelay | None = None
         self._backoff, self._next_register, self._next_beat = defaults.RECONNECT_MIN, 0.0, 0.0
         hooks = LinkHooks(on_tick=self._tick, descriptors=self._descriptors, on_ready=self._on_ready,
@@ -193,13 +194,21 @@ class Agent:
 
     def _heartbeat_message(self) -> protocol.Heartbeat:
         expire_creating = getattr(self.runtime, "expire_creating", None)
-        if expire_creating is not None:
-            expire_creating(defaults.TASK_START_TIMEOUT)
+        if expire_creating is not None and (self._expiring is None or self._expiring.done()):
+            # it asks the engine, which may be slow or away: never on the link thread
+            self._expiring = self._pool.submit(self._guarded, expire_creating, defaults.TASK_START_TIMEOUT)
         sample = self._fresh_sample()
         since = time.time() - defaults.ENDED_REPORTED_FOR
         containers = [m.status(sample.usage.get(m.grant)) for m in self.runtime.managed()
                       if m.finished_at is None or m.finished_at > since]
         return protocol.Heartbeat(node=self.node, gpus=sample.gpus, containers=containers)
+
+    @staticmethod
+    def _guarded(work: Callable[[float], None], argument: float) -> None:
+        try:
+            work(argument)
+        except Exception:  # the engine is away or slow: the next heartbeat tries again
+            log.warning("could not settle creating task grants now", exc_info=True)
 
     def _fresh_sample(self) -> Sample:
         """The enforcer's newest full sample when it is recent enough, else a new one."""

@@ -108,10 +108,10 @@ class DockerRuntime(Runtime):
         except docker.errors.NotFound:
             pass
         except docker.errors.APIError as exc:
-            self._not_removing(managed)
+            self._removal_failed(managed)
             raise RuntimeFailure(f"docker could not remove the container: {exc.explanation}") from exc
         except Exception as exc:  # the engine went away mid-removal: the container's fate is read when it is back
-            self._not_removing(managed)
+            self._removal_failed(managed)
             raise RuntimeFailure(f"docker could not remove the container: {exc}") from exc
         self._untrack(grant)
 
@@ -240,6 +240,10 @@ class DockerRuntime(Runtime):
             existing = self._table.get(grant["grant"])
             if existing is not None:
                 return existing
+            # the same container started again under a new grant: its ended entries are over
+            stale = [m.grant for m in self._table.values() if m.container_id == container_id]
+        for old in stale:
+            self._untrack(old)
         managed = Managed(grant=grant["grant"], container_id=container_id, name=request.name,
                           gpus=list(grant["gpus"]), gpu_memory=int(grant["gpu_memory"]), image=request.image,
                           labels=dict(request.labels),
@@ -269,6 +273,16 @@ class DockerRuntime(Runtime):
                     managed.detail = {"error": error[:1024]}
                 self._exited(managed, None)
                 self._untrack(managed.grant)
+
+    def _removal_failed(self, managed: Managed) -> None:
+        """Back to running, unless the engine says it stopped (its die event was dropped while removing)."""
+        self._not_removing(managed)
+        try:
+            state = self._engine_state(managed.container_id)
+        except Exception:  # the engine is away: the re-list after its event stream returns settles it
+            return
+        if state != "running":
+            self._exited(managed, None)
 
     def _start_error(self, container_id: str) -> str | None:
         """Why the engine could not start ``container_id`` (a created container whose start failed), if it says."""

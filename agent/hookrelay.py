@@ -66,6 +66,10 @@ class HookRelay:
             self._answer(conn, envelope.id, error=("no_agents", "this agent is not registered with a manager"))
         elif not hasattr(self.runtime, "track_task"):
             self._answer(conn, envelope.id, error=("invalid_request", "GPU tasks need the Docker runtime"))
+        elif (held := self.runtime.holder_of(message.container_id)) is not None and not held.hook:
+            # a REST container (its image may carry GPUMGR_REQUEST_MEMORY): it holds its grant already
+            self._answer(conn, envelope.id, result={"grant": held.grant, "gpus": held.gpus,
+                                                    "env": task_env(held, self.node, self.runtime.mps)})
         else:
             try:
                 request = self.runtime.engine_request(message)  # type: ignore[attr-defined]

@@ -112,6 +112,12 @@ class Runtime:
             raise NotFound(f"no managed container holds grant {grant}")
         return found
 
+    def holder_of(self, container_id: str) -> Managed | None:
+        """The live entry for ``container_id``, if this runtime already holds a grant for it."""
+        with self._lock:
+            return next((m for m in self._table.values() if m.container_id == container_id
+                         and m.state in (State.RUNNING, State.CREATING, REMOVING)), None)
+
     def owner_of(self, pid: int, started: int | None = None) -> Managed | None:
         """The managed container host process ``pid`` runs in, if any.
 

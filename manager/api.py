@@ -24,7 +24,7 @@ from gpumgr.manager.records import PlacementSpec
 from gpumgr.manager.service import Manager
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.errors import InvalidRequest, ProtocolError
-from gpumgr.wire.names import LABEL_PREFIX, Label, State
+from gpumgr.wire.names import LABEL_PREFIX, RESERVED_ENV, Label, State
 from gpumgr.wire.units import MAX_BYTES, parse_bytes
 
 bp = Blueprint("v1", __name__, url_prefix="/v1")
@@ -88,6 +88,8 @@ def _no_nul(value: str) -> str:
 def _env_name(value: str) -> str:
     if not value or "=" in value:
         raise ValueError("an environment variable's name must be non-empty and hold no '='")
+    if value in RESERVED_ENV:
+        raise ValueError(f"{value} is set by gpumgr from the grant; a request cannot set it")
     return value
 
 

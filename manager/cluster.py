@@ -69,6 +69,7 @@ class Cluster:
             node = Node(name, routing_id, runtime, [self._gpu_for(name, info) for info in gpus])
             self._nodes[name] = node
             self._set_ready(node, True)
+            self._extend_deadlines(name)
             removals = self._reconcile(node, containers, whole=True)
             if restarted:  # a new agent process: creates the old one had not begun are lost with it
                 reported = {c.grant for c in containers}
@@ -100,6 +101,7 @@ class Cluster:
             node.routing_id, node.last_seen, node.last_seen_mono = routing_id, time.time(), time.monotonic()
             if not node.ready:
                 self._set_ready(node, True)
+                self._extend_deadlines(name)
             for sample in samples:
                 gpu = self._gpus.get(sample.uuid)
                 if gpu is not None and gpu.node == name:
@@ -135,6 +137,9 @@ class Cluster:
             for node in stale:
                 self._set_ready(node, False)
             for record in [c for c in self._containers.values() if c.state is State.CREATING]:
+                holder = self._nodes.get(record.node)
+                if holder is not None and not holder.ready:
+                    continue  # its node cannot confirm it now; its deadline restarts when the node returns
                 if record.deadline is not None and now > record.deadline:
                     self._finish(record, State.FAILED, "never confirmed by its node in time: grant released",
                                  None, {})
@@ -231,12 +236,16 @@ class Cluster:
                            node=record.node, container=cid, **detail)
         return record
 
-    def request_removal(self, cid: str) -> Container:
-        """``DELETE`` while ``cid``'s node is down: remember it, and remove the container when the node returns."""
+    def request_removal(self, cid: str, why: str = "its node is down: done when it returns") -> Container:
+        """``DELETE`` that cannot be done now (node down, container still being created): remember it.
+
+        The grant stays: the container may exist or be about to. It is removed when its node reports
+        it (or the create returns), and the grant ends when the node reports it gone.
+        """
         with self._lock:
             record = self._get(cid)
             record.remove_requested = True
-        self.events.record(EventType.REMOVED, "removal requested while its node is down: done when it returns",
+        self.events.record(EventType.REMOVED, f"removal requested while {why}",
                            node=record.node, container=cid, pending=True)
         return record
 
@@ -314,6 +323,13 @@ class Cluster:
         gpu.index, gpu.total, gpu.name = info.index, info.memory_total, info.name
         return gpu
 
+    def _extend_deadlines(self, name: str) -> None:
+        """A node back from down gets its creating grants' time to confirm them again."""
+        later = time.monotonic() + 2 * self.down_after
+        for record in self._containers.values():
+            if record.node == name and record.state is State.CREATING and record.deadline is not None:
+                record.deadline = max(record.deadline, later)
+
     def _check_gpus_free(self, name: str, gpus: list[GpuInfo]) -> None:
         for info in gpus:
             gpu = self._gpus.get(info.uuid)
@@ -390,7 +406,7 @@ class Cluster:
         adopted from the full report a registration carries. A registration (``whole``) also confirms
         any creating grant its node reports running: the container exists, whoever was waiting for it.
         """
-        removals, seen = [], set()
+        removals, seen, unknown = [], set(), []
         for report in reports:
             seen.add(report.grant)
             record = self._containers.get(report.grant)
@@ -398,7 +414,7 @@ class Cluster:
                 log.warning("node %s reports grant %s of node %s; ignored", node.name, report.grant, record.node)
             elif record is None:
                 if isinstance(report, ContainerReport):
-                    self._adopt(node, report)
+                    unknown.append(report)
             elif record.state in LIVE:
                 self._refresh(record, report, confirm=whole)
                 if record.remove_requested and record.state in LIVE and report.state != REMOVING:
@@ -410,6 +426,8 @@ class Cluster:
             if record.state is State.RUNNING:
                 reason = "removed on request" if record.remove_requested else "container disappeared from its node"
                 self._finish(record, State.REMOVED, reason, None, {})
+        # adopted last, against what is still granted once the containers that are gone have ended
+        removals += [report.grant for report in unknown if not self._adopt(node, report)]
         return removals
 
     def _refresh(self, record: Container, report: ContainerStatus, *, confirm: bool = False) -> None:
@@ -427,8 +445,13 @@ class Cluster:
             state = State.KILLED if report.state == State.KILLED else State.EXITED
             self._finish(record, state, report.reason, report.exit_code, {}, finished_at=report.finished_at)
 
-    def _adopt(self, node: Node, report: ContainerReport) -> None:
-        """Rebuild a record from a node's report (the manager restarted, or the grant is new to it)."""
+    def _adopt(self, node: Node, report: ContainerReport) -> bool:
+        """Rebuild a record from a node's report (the manager restarted, or the grant is new to it).
+
+        False if the container must go: its grant no longer fits its GPU, because the bytes were
+        granted to another container while the map did not know this one (a create that finished
+        after the manager restarted). The containers the map already holds keep their bytes.
+        """
         live = report.state in LIVE or report.state == REMOVING  # a container being stopped still holds memory
         record = Container(
             id=report.grant, name=report.name, node=node.name, gpus=list(report.gpus), gpu_memory=report.gpu_memory,
@@ -445,6 +468,14 @@ class Cluster:
             log.warning("container %s names GPUs %s that node %s does not report", record.id, record.gpus, node.name)
             record.gpus = known
         self._containers[record.id] = record
+        over = [u for u in record.gpus if self._gpus[u].reserved + record.gpu_memory > self._gpus[u].total]
+        if live and over:
+            record.state = State.FAILED
+            record.reason = (f"not adopted: its {format_bytes(record.gpu_memory)} no longer fit GPU {over[0]}, "
+                             "granted to others meanwhile; the container is removed")
+            record.finished_at = time.time()
+            self._end(record)
+            return False
         self.events.record(EventType.ADOPTED, f"{report.state} container {report.container_id[:12]} re-adopted",
                            node=node.name, container=record.id)
         if live and record.gpus:
@@ -454,6 +485,7 @@ class Cluster:
             record.finished_at = report.finished_at or time.time()
             record.reason = record.reason or _default_reason(record.state, record.exit_code)
             self._end(record)
+        return True
 
     def refuse_adoptions(self, node: str, refused: list[RefusedAdoption]) -> None:
         """Record why a node could not adopt containers that look managed (no trustworthy grant)."""

@@ -70,7 +70,10 @@ class Manager:
             message = reply.error.message if reply.error else "unknown error"
             self.cluster.fail(record.id, message)
             raise AgentFailed(f"node {record.node} could not start the container: {message}")
-        return self.cluster.view(self.cluster.started(record.id, protocol.ContainerReport(**reply.result)))
+        started = self.cluster.started(record.id, protocol.ContainerReport(**reply.result))
+        if started.remove_requested and started.state in LIVE:  # DELETE came while it was being created
+            return self.remove(record.id)[0]
+        return self.cluster.view(started)
 
     def remove(self, cid: str) -> tuple[dict[str, Any], int]:
         """Stop and remove ``cid`` on its node and free its grant: ``(record, 200)``.
@@ -83,6 +86,10 @@ class Manager:
             return self.cluster.view(record), 200
         if record.state in LIVE and not self.cluster.node_ready(record.node):
             return self.cluster.view(self.cluster.request_removal(cid)), 202
+        if record.state is State.CREATING and not record.remove_requested:
+            # its node may be creating it right now: removing "nothing" would free bytes it is about to use
+            why = "it is being created: done once it is"
+            return self.cluster.view(self.cluster.request_removal(cid, why)), 202
         if record.container_id is not None or record.state in LIVE:
             self._remove_on_node(record.node, record.id)
         reason = "removed on request" if record.state in LIVE else record.reason

@@ -208,3 +208,28 @@ def test_token_is_required_when_configured(tmp_path) -> None:
     assert client.get("/v1/nodes", headers={"Authorization": "Basic s3cret"}).status_code == 401
     assert client.get("/v1/nodes", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert client.get("/healthz").status_code == 200
+
+
+def test_delete_while_the_create_is_under_way_keeps_the_grant(stack) -> None:
+    """A DELETE answered while the node was still creating freed bytes the container was about to use."""
+    manager, client, add_agent = stack
+    add_agent(behaviour="silent")
+    pending = threading.Thread(target=post, args=(client, {"gpu_memory": "5GiB", "image": "x"}))
+    pending.start()
+    record = wait_for(lambda: client.get("/v1/containers?state=creating").json["containers"], 5,
+                      what="the create under way")[0]
+    response = client.delete(f"/v1/containers/{record['id']}")
+    assert response.status_code == 202, response.json
+    assert sum(g["memory_reserved"] for n in manager.cluster.nodes_view() for g in n["gpus"]) == 5 * GiB
+    pending.join(30)
+
+
+def test_a_request_cannot_set_the_variables_that_carry_a_grant(stack) -> None:
+    """A REST container setting GPUMGR_REQUEST_MEMORY got a second grant from the runtime hook."""
+    _, client, add_agent = stack
+    add_agent()
+    for name in ("GPUMGR_REQUEST_MEMORY", "GPUMGR_GRANT", "GPUMGR_GPU_MEMORY"):
+        response = post(client, {"gpu_memory": "1GiB", "image": "x", "env": {name: "1GiB"}})
+        assert response.status_code == 400 and name in response.json["error"]["message"], response.json
+    assert post(client, {"gpu_memory": "1GiB", "image": "x", "env": {"GPUMGR_SIM_USAGE_FILE": "/u"}}).status_code \
+        == 201

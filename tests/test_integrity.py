@@ -150,6 +150,7 @@ def test_hook_grants_end_at_their_deadline_unless_a_heartbeat_confirms_them():
     assert removals == []
     assert kept.state is State.RUNNING and kept.deadline is None
     assert lost.state is State.CREATING
+    cluster.down_after = 60  # the node stays up: a grant is not expired while its node is down
     cluster.sweep(now=time.monotonic() + 10)
     assert lost.state is State.FAILED and lost.reason
     assert kept.state is State.RUNNING
@@ -167,6 +168,7 @@ def test_a_restarted_manager_adopts_a_grant_still_being_created_until_its_deadli
     assert record.state is State.CREATING and record.hook and record.deadline is not None
     assert reserved(cluster) == {"a-g0": 3 * GiB}
     start = time.monotonic()
+    cluster.down_after = 1e6  # its node stays up throughout (a down node's deadlines wait for it)
     cluster.sweep(now=start + 5)  # well before its deadline: still held
     assert record.state is State.CREATING and reserved(cluster) == {"a-g0": 3 * GiB}
     cluster.sweep(now=start + defaults.TASK_START_TIMEOUT + 60)
@@ -478,3 +480,35 @@ def test_an_agent_re_reports_only_the_newest_ends_so_the_cap_holds() -> None:
                      exit_code=0, finished_at=1000.0 + i) for i in range(50)]
     kept = _newest_ends(ended[:20] + live + ended[20:], 10)
     assert {m.grant for m in kept} == {m.grant for m in live} | {f"end{i}" for i in range(40, 50)}
+
+
+def test_a_create_that_finished_after_a_manager_restart_is_never_adopted_over_the_gpu() -> None:
+    """Review finding: a container created while the manager restarted was adopted on bytes granted to another."""
+    cluster = Cluster()
+    cluster.register("a", b"a", "docker", gpu_infos("a", size=10 * GiB), [])
+    placed = cluster.reserve(PlacementSpec(memory=8 * GiB, count=1, placement="spread", image="i", command=[]))
+    cluster.started(placed.id, ContainerReport(grant=placed.id, container_id="c1", gpus=placed.gpus,
+                                               gpu_memory=8 * GiB, state="running"))
+    late = ContainerReport(grant="late", container_id="c2", gpus=placed.gpus, gpu_memory=8 * GiB, state="running")
+    mine = ContainerReport(grant=placed.id, container_id="c1", gpus=placed.gpus, gpu_memory=8 * GiB, state="running")
+    removals = cluster.register("a", b"a2", "docker", gpu_infos("a", size=10 * GiB), [mine, late])
+    assert removals == ["late"]
+    gpu = cluster.nodes_view()[0]["gpus"][0]
+    assert gpu["memory_reserved"] == 8 * GiB and gpu["containers"] == [placed.id]
+    refused = cluster.get("late")
+    assert refused.state is State.FAILED and "no longer fit" in (refused.reason or "")
+
+
+def test_a_hook_grant_is_not_expired_while_its_node_is_down() -> None:
+    """Review finding: the sweep failed a task's grant while its node could not confirm it, then killed the task."""
+    cluster = Cluster()
+    cluster.register("a", b"a", "docker", gpu_infos("a"), [])
+    hook = cluster.reserve(PlacementSpec(memory=GiB, count=1, placement="spread", image="i", command=[], node="a",
+                                         hook=True), deadline=5.0)
+    now = time.monotonic()
+    cluster.sweep(now=now + cluster.down_after + 1)  # the node goes silent
+    cluster.sweep(now=now + 60)  # long past the grant's deadline
+    assert cluster.get(hook.id).state is State.CREATING
+    status = ContainerStatus(grant=hook.id, container_id="t1", state="running")
+    assert cluster.heartbeat("a", b"a", [], [status]) == []  # back: its report confirms the task
+    assert cluster.get(hook.id).state is State.RUNNING

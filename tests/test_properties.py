@@ -236,10 +236,18 @@ class ClusterMachine(RuleBasedStateMachine):
             self.live[adopt] = Grant(node, tuple(f"{node}-g{i}" for i in on), memory, running=True)
             reports.append(self.report(adopt))
         infos = [GpuInfo(uuid=f"{node}-g{i}", index=i, name="Sim", memory_total=t) for i, t in enumerate(totals)]
-        self.cluster.register(node, node.encode(), "docker", infos, reports)
+        refused = self.cluster.register(node, node.encode(), "docker", infos, reports)
         self.totals[node] = totals
         self.ready.add(node)
         self.drop_unreported(node, set(keep) | {adopt})
+        if adopt is not None:
+            # an unknown container is adopted only if it fits beside what is still granted on each of its GPUs
+            g = self.live[adopt]
+            fits = all(self.reserved(u) <= totals[int(u.rsplit("-g", 1)[1])] for u in g.uuids)
+            assert (adopt in refused) == (not fits), (adopt, refused, fits)
+            if not fits:
+                del self.live[adopt]
+                self.finished.append(adopt)
 
     @precondition(lambda self: self.totals)
     @rule(data=st.data())

@@ -175,8 +175,30 @@ def test_a_hook_grant_whose_container_never_starts_is_released(engine, cluster):
     engine.docker("container", "prune", "-f", check=False)
 
 
+def test_an_image_asking_for_memory_does_not_get_a_second_grant(engine, cluster):
+    """Review finding: a REST container whose image sets GPUMGR_REQUEST_MEMORY got a second grant from the hook."""
+    manager, _ = cluster
+    busybox = shutil.which("busybox") or "/bin/busybox"
+    subprocess.run(["docker", "import", "--change", "ENV GPUMGR_REQUEST_MEMORY=3GiB", "-", "gpumgr-test/asks:1"],
+                   input=_busybox_tar(busybox), env=engine.env, check=True, capture_output=True)
+    response = manager.post("/v1/containers", json={"image": "gpumgr-test/asks:1", "gpu_memory": "2GiB",
+                                                    "command": ["sleep", "300"]})
+    assert response.status_code == 201, response.text
+    record = response.json()
+    try:
+        live = [r for r in manager.get("/v1/containers").json()["containers"] if r["state"] in ("creating", "running")]
+        assert [r["id"] for r in live] == [record["id"]]
+        assert sum(g["memory_reserved"] for g in manager.node("swarm-node")["gpus"]) == 2 * GiB
+        env = environ(engine.docker("inspect", "--format", "{{.State.Pid}}", record["container_id"]).stdout.strip()
+                      and int(engine.docker("inspect", "--format", "{{.State.Pid}}", record["container_id"])
+                              .stdout.strip()))
+        assert env["GPUMGR_GRANT"] == record["id"] and env["NVIDIA_VISIBLE_DEVICES"] == record["gpus"][0]["uuid"]
+    finally:
+        manager.delete(f"/v1/containers/{record['id']}")
+
+
 def test_swarm_tasks_are_readopted_after_an_agent_restart(engine, cluster, tmp_path):
-    """Issue item 6: Swarm task containers were not re-adopted after an agent restart."""
+    """Issue item 6: Swarm task containers were not re-adopted after an agent restart (last: it stops the agent)."""
     manager, agent = cluster
     created = docker_gpu(engine, manager, "service", "create", "--detach", "--gpu-memory", "4GiB", "--replicas", "2",
                          "--name", "again", "--stop-grace-period", "1s", IMAGE, "sleep", "3600")

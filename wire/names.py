@@ -70,6 +70,11 @@ class State(StrEnum):
     REMOVED = "removed"
 
 
+#: Environment names gpumgr sets or reads to grant memory: a REST request may not set them itself
+#: (a container asking the runtime hook for a second grant, or claiming one, is refused at the API).
+RESERVED_ENV = frozenset({Env.GRANT, Env.GPU_MEMORY, Env.NODE, Env.ON_OVERRUN, Env.REQUEST_MEMORY,
+                          Env.REQUEST_GPUS, Env.REQUEST_ON_OVERRUN, Env.TASK, Env.TASK_NAME, Env.SERVICE, Env.SLOT})
+
 #: States that hold a grant.
 LIVE = frozenset({State.CREATING, State.RUNNING})
 #: What an agent reports for a container it is stopping on request: still running, still holding its grant.
