@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import io
 import json
 import os
 import platform
@@ -24,7 +23,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import uuid
@@ -38,8 +36,9 @@ import docker  # type: ignore[import-untyped, unused-ignore]
 import docker.errors  # type: ignore[import-untyped, unused-ignore]
 import requests
 
+from tests.images import IMAGE, busybox_tar
+
 ROOT = Path(__file__).resolve().parent.parent
-IMAGE = "gpumgr-test/busybox:latest"
 #: Every container a bench makes carries this label with its run's id, so the run removes exactly its own.
 RUN_LABEL = "gpumgr-bench.run"
 NODE_LABEL = "gpumgr.node"  # what the agent labels its node's containers with
@@ -48,7 +47,6 @@ USAGE = "/tmp/use"
 TICK = os.sysconf("SC_CLK_TCK")
 GiB, MiB = 1 << 30, 1 << 20
 START_TIMEOUT = 20.0
-BUSYBOX_APPLETS = ("sh", "sleep", "echo", "cat", "env", "true", "false", "kill", "ls", "rm", "dd", "seq")
 T = TypeVar("T")
 
 
@@ -344,21 +342,6 @@ def _teardown(s: Stack, local: bool, keep: bool) -> None:
 
 
 # --- Docker and the enforcement benches ------------------------------------------------------------
-def busybox_tar(busybox: str | None = None) -> bytes:
-    """An image tarball of a static busybox with its applets and a /tmp, for ``docker import``."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        tar.add(busybox or shutil.which("busybox") or "/bin/busybox", arcname="bin/busybox")
-        for applet in BUSYBOX_APPLETS:
-            link = tarfile.TarInfo(f"bin/{applet}")
-            link.type, link.linkname = tarfile.SYMTYPE, "busybox"
-            tar.addfile(link)
-        tmp = tarfile.TarInfo("tmp")
-        tmp.type, tmp.mode = tarfile.DIRTYPE, 0o1777
-        tar.addfile(tmp)
-    return buffer.getvalue()
-
-
 def ensure_image(client: Any) -> str:
     """The test image ``IMAGE`` on ``client``'s engine, imported from /bin/busybox when it is missing."""
     try:

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import shutil
-import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.images import IMAGE as TEST_IMAGE
+from tests.images import busybox_tar
 from tests.procs import TEST_NODES, AgentProc, ManagerProc
-
-TEST_IMAGE = "gpumgr-test/busybox:latest"
-BUSYBOX_APPLETS = ("sh", "sleep", "echo", "cat", "env", "true", "false", "kill", "ls", "rm", "dd", "seq")
 
 
 def _require(flag: str, reason: str) -> None:
@@ -49,22 +46,8 @@ def test_image(docker_client) -> str:
     busybox = shutil.which("busybox") or "/bin/busybox"
     if not Path(busybox).exists():
         pytest.fail("busybox is needed to build the test image: apt-get install busybox-static")
-    docker_client.api.import_image_from_data(_busybox_tar(busybox), repository=TEST_IMAGE.split(":")[0], tag="latest")
+    docker_client.api.import_image_from_data(busybox_tar(busybox), repository=TEST_IMAGE.split(":")[0], tag="latest")
     return TEST_IMAGE
-
-
-def _busybox_tar(busybox: str) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        tar.add(busybox, arcname="bin/busybox")
-        for applet in BUSYBOX_APPLETS:
-            link = tarfile.TarInfo(f"bin/{applet}")
-            link.type, link.linkname = tarfile.SYMTYPE, "busybox"
-            tar.addfile(link)
-        tmp = tarfile.TarInfo("tmp")
-        tmp.type, tmp.mode = tarfile.DIRTYPE, 0o1777
-        tar.addfile(tmp)
-    return buffer.getvalue()
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import _busybox_tar
+from tests.images import busybox_tar
 from tests.procs import AgentProc, ManagerProc, wait_for
 from tests.swarm import SwarmEngine
 
@@ -22,7 +22,7 @@ def engine(docker_client):
     if shutil.which("dockerd") is None:
         pytest.fail("dockerd is needed for the swarm tests")
     busybox = shutil.which("busybox") or "/bin/busybox"
-    swarm = SwarmEngine(_busybox_tar(busybox))
+    swarm = SwarmEngine(busybox_tar(busybox))
     yield swarm
     swarm.stop()
 
@@ -180,7 +180,7 @@ def test_an_image_asking_for_memory_does_not_get_a_second_grant(engine, cluster)
     manager, _ = cluster
     busybox = shutil.which("busybox") or "/bin/busybox"
     subprocess.run(["docker", "import", "--change", "ENV GPUMGR_REQUEST_MEMORY=3GiB", "-", "gpumgr-test/asks:1"],
-                   input=_busybox_tar(busybox), env=engine.env, check=True, capture_output=True)
+                   input=busybox_tar(busybox), env=engine.env, check=True, capture_output=True)
     response = manager.post("/v1/containers", json={"image": "gpumgr-test/asks:1", "gpu_memory": "2GiB",
                                                     "command": ["sleep", "300"]})
     assert response.status_code == 201, response.text

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import requests
 
-from tests.conftest import _busybox_tar
 from tests.faults.engine import ThrowawayEngine
+from tests.images import busybox_tar
 from tests.invariant import settles
 from tests.procs import AgentProc, ManagerProc, wait_for
 
@@ -166,7 +166,7 @@ def test_agent_stopped_past_the_down_threshold_keeps_intent(tmp_path, cluster, d
 @pytest.fixture
 def own_engine(tmp_path, test_image) -> Iterator[dict[str, Any]]:
     """A manager and one agent driving a throw-away dockerd that the test may kill -9."""
-    engine = ThrowawayEngine(_busybox_tar(shutil.which("busybox") or "/bin/busybox"))
+    engine = ThrowawayEngine(busybox_tar(shutil.which("busybox") or "/bin/busybox"))
     manager = ManagerProc(tmp_path)
     agent = AgentProc(tmp_path, manager, "fault-d", gpus="sim:2x24GiB", env=engine.env)
     yield {"engine": engine, "manager": manager, "agent": agent}
