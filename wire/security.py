@@ -23,6 +23,7 @@ import os
 import re
 import secrets
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,22 +76,20 @@ def state_dir(path: str | Path | None) -> Path:
 
 def write_private(path: Path, data: dict[str, Any]) -> None:
     """Replace ``path`` with ``data`` as JSON, atomically (write, fsync, rename), readable by its owner only."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as out:
-            json.dump(data, out, indent=2, sort_keys=True)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, 0o600)
+    with _private_copy(path, data) as tmp:
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def create_private(path: Path, data: dict[str, Any]) -> dict[str, Any]:
     """Write ``data`` to ``path`` unless it exists; return what the file holds afterwards (ours or the winner's)."""
+    with _private_copy(path, data) as tmp, contextlib.suppress(FileExistsError):
+        os.link(tmp, path)  # atomic and never replaces: the first creator wins
+    return read_private(path)
+
+
+@contextlib.contextmanager
+def _private_copy(path: Path, data: dict[str, Any]) -> Iterator[str]:
+    """``data`` as JSON in a 0600 temporary file beside ``path``, synced to disk; gone afterwards unless renamed."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as out:
@@ -98,12 +97,10 @@ def create_private(path: Path, data: dict[str, Any]) -> dict[str, Any]:
             out.flush()
             os.fsync(out.fileno())
         os.chmod(tmp, 0o600)
-        with contextlib.suppress(FileExistsError):
-            os.link(tmp, path)  # atomic and never replaces: the first creator wins
+        yield tmp
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-    return read_private(path)
 
 
 def read_private(path: Path) -> dict[str, Any]:
