@@ -18,6 +18,8 @@ from gpumgr.wire.errors import ProtocolError
 VERSION = 1
 MAX_FIELD = defaults.MAX_FIELD_BYTES
 MAX_ITEMS = defaults.MAX_ITEMS
+#: Frames up to this size are within every per-field bound by their size alone (each item is >= 1 byte).
+_FIELD_BOUNDS_FROM = min(MAX_FIELD, MAX_ITEMS)
 #: On plain stream sockets (the runtime hook's) each frame is preceded by its length.
 FRAME_HEADER = struct.Struct(">I")
 
@@ -36,10 +38,13 @@ def pack(kind: str, body: dict[str, Any], *, msg_id: str | None = None, reply_to
         raise ProtocolError(f"{kind} message cannot be encoded: {exc}") from exc
     if len(frame) > defaults.MAX_MESSAGE_BYTES:
         raise ProtocolError(f"{kind} message of {len(frame)} bytes is over the {defaults.MAX_MESSAGE_BYTES} bound")
-    try:  # what we send must be what every receiver accepts: the same bounds, checked by the same decoder
-        unpack(frame)
-    except ProtocolError as exc:
-        raise ProtocolError(f"{kind} message would be refused by its receiver: {exc}") from exc
+    if len(frame) > _FIELD_BOUNDS_FROM:
+        # what we send must be what every receiver accepts: the same bounds, checked by the same decoder.
+        # A smaller frame cannot hold a string over MAX_FIELD bytes or a container over MAX_ITEMS items.
+        try:
+            unpack(frame)
+        except ProtocolError as exc:
+            raise ProtocolError(f"{kind} message would be refused by its receiver: {exc}") from exc
     return frame
 
 
