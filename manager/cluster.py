@@ -154,10 +154,11 @@ class Cluster:
         with self._lock:
             return self._nodes[name].routing_id
 
-    def knows(self, name: str) -> bool:
-        """Whether ``name`` is on the map, ready or down."""
+    def routing_id_of(self, name: str) -> bytes | None:
+        """Where the link reached ``name``'s agent last, or None if ``name`` is not on the map."""
         with self._lock:
-            return name in self._nodes
+            node = self._nodes.get(name)
+            return node.routing_id if node is not None else None
 
     def node_ready(self, name: str) -> bool:
         """Whether ``name`` is registered and heartbeating."""

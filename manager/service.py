@@ -164,7 +164,7 @@ class Manager:
         self.link.send(peer.routing_id, reply, reply_to=envelope.id)
 
     def _register(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Register) -> None:
-        before = self.cluster.routing_id(message.node) if self.cluster.knows(message.node) else None
+        before = self.cluster.routing_id_of(message.node)
         try:
             removals = self.cluster.register(message.node, peer.routing_id, message.runtime, message.gpus,
                                              message.containers)

@@ -365,9 +365,9 @@ def test_a_node_down_longer_than_forget_after_is_forgotten_with_its_grants():
     record = running(cluster, 4 * GiB)
     start = time.monotonic()
     assert cluster.sweep(now=start + 10) == ["a"]
-    assert cluster.knows("a") and record.state is State.RUNNING
+    assert cluster.routing_id_of("a") is not None and record.state is State.RUNNING
     cluster.sweep(now=start + 120)
-    assert not cluster.knows("a") and cluster.nodes_view() == []
+    assert cluster.routing_id_of("a") is None and cluster.nodes_view() == []
     assert record.state is State.REMOVED and record.reason
     # the node may come back later: it starts from a clean GPU
     cluster.register("a", b"a2", "docker", gpu_infos("a"), [])
