@@ -195,6 +195,7 @@ def start_manager(settings: ManagerSettings) -> tuple[Any, Any]:
     manager = Manager(settings)
     manager.start()
     server = create_server(create_app(manager), **server_options(host, port, settings.threads))
+    server.channel_class = json_error_channel()
     print(f"gpumgr manager: API on http://{host}:{server.effective_port}, agents on {manager.link.bound_endpoint}",
           flush=True)
     return server, manager
@@ -219,6 +220,35 @@ API_MAX_BODY = 2 * 1024 * 1024
 FD_RESERVE = 256
 FDS_PER_CONNECTION = 3
 OPEN_FILES_WANTED = 65_536
+
+
+def json_error_channel() -> type:
+    """waitress's connection class, answering the errors waitress finds itself in the API's JSON shape.
+
+    A request line with raw non-ASCII bytes, bad framing or a body over ``API_MAX_BODY`` never reaches
+    the app; waitress answers those with plain text, which clients of a JSON API cannot read.
+    """
+    import json
+
+    from waitress.channel import HTTPChannel
+    from waitress.task import ErrorTask
+
+    class JsonErrorTask(ErrorTask):
+        def execute(self) -> None:
+            parsed: Any = self.request  # the parser's request, whose error made waitress run this task
+            error = parsed.error
+            code = str(error.reason).lower().replace(" ", "_")
+            body = json.dumps({"error": {"code": code, "message": f"{error.reason}: {error.body}"}}).encode()
+            self.status = f"{error.code} {error.reason}"
+            self.response_headers = [*self.response_headers, ("Content-Type", "application/json")]
+            self.set_close_on_finish()
+            self.content_length = len(body)
+            self.write(body)
+
+    class JsonErrorChannel(HTTPChannel):
+        error_task_class = JsonErrorTask
+
+    return JsonErrorChannel
 
 
 def server_options(host: str, port: int, threads: int) -> dict[str, Any]:

@@ -224,3 +224,26 @@ def test_idle_and_slow_connections_do_not_starve_the_api(tmp_path) -> None:
             with contextlib.suppress(OSError):
                 sock.close()
         manager.stop()
+
+
+def test_what_the_http_server_refuses_itself_is_answered_in_json(tmp_path) -> None:
+    """A raw non-ASCII request line or an oversized body never reaches the app: the answer is still JSON."""
+    import json
+
+    manager = ManagerProc(tmp_path)
+    try:
+        answers = []
+        for request in ("GET /v1/events?since=① HTTP/1.1\r\nHost: x\r\n\r\n".encode(),
+                        b"POST /v1/containers HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 3000000\r\n\r\n"):  # declared over the cap: refused before it is sent
+            with socket.create_connection(("127.0.0.1", manager.api_port), timeout=10) as sock:
+                sock.sendall(request)
+                raw = b""
+                while chunk := sock.recv(65536):
+                    raw += chunk
+            head, _, body = raw.partition(b"\r\n\r\n")
+            answers.append((head.split(b" ", 2)[1], b"application/json" in head, json.loads(body)))
+        assert [(status, is_json) for status, is_json, _ in answers] == [(b"400", True), (b"413", True)]
+        assert all(body["error"]["code"] and body["error"]["message"] for _, _, body in answers)
+    finally:
+        manager.stop()
