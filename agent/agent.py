@@ -171,6 +171,8 @@ class Agent:
             self._pool.submit(self._answer, envelope.id, self._create, message.spec)
         elif isinstance(message, protocol.Remove):
             self._pool.submit(self._answer, envelope.id, self._remove, message)
+        elif isinstance(message, protocol.Resize):
+            self._pool.submit(self._answer, envelope.id, self._resize, message)
         elif isinstance(message, protocol.Reply):
             log.info("late reply %s from the manager dropped", envelope.reply_to)
         else:
@@ -198,6 +200,7 @@ class Agent:
             # it asks the engine, which may be slow or away: never on the link thread
             self._expiring = self._pool.submit(self._guarded, expire_creating, defaults.TASK_START_TIMEOUT)
         sample = self._fresh_sample()
+        self.runtime.note_usage(sample.usage)
         since = time.time() - defaults.ENDED_REPORTED_FOR
         containers = [m.status(sample.usage.get(m.grant)) for m in self.runtime.managed()
                       if m.finished_at is None or m.finished_at > since]
@@ -227,6 +230,11 @@ class Agent:
     def _remove(self, message: protocol.Remove) -> dict[str, Any]:
         self.runtime.remove(message.grant, message.stop_grace)
         return {"grant": message.grant}
+
+    def _resize(self, message: protocol.Resize) -> dict[str, Any]:
+        managed = self.runtime.resize(message.grant, message.gpu_memory)
+        log.info("grant %s resized to %d bytes per GPU", message.grant, message.gpu_memory)
+        return managed.report().model_dump()
 
     def _answer(self, request_id: str, work: Callable[[Any], dict[str, Any]], argument: Any) -> None:
         try:

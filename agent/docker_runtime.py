@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 TASK_LABELS = {Env.TASK: Label.TASK, Env.SERVICE: Label.SERVICE, Env.SLOT: Label.SLOT}
 #: The agent's record of the grants it took through the runtime hook (in its state directory).
 TASKS_FILE = "tasks.json"
+#: Grants resized after their container was created: grant → bytes (a container's labels cannot change).
+RESIZED_FILE = "resized.json"
 #: A hook-granted container not running this long after its grant has failed to start.
 START_CHECK = 10.0
 #: Processes whose cgroup is remembered at most; the cache starts over when it is full.
@@ -54,6 +56,8 @@ class DockerRuntime(Runtime):
         super().__init__(on_change, mps=mps)
         #: the grants this agent took for hook-created containers, kept where no container can change them
         self._ledger = Path(state_dir, TASKS_FILE) if state_dir is not None else None
+        self._resized_file = Path(state_dir, RESIZED_FILE) if state_dir is not None else None
+        self._resized_grants: dict[str, int] = {}
         self.node = node
         self.client = client or docker.from_env()
         self.network_mode = network_mode
@@ -248,7 +252,8 @@ class DockerRuntime(Runtime):
                           gpus=list(grant["gpus"]), gpu_memory=int(grant["gpu_memory"]), image=request.image,
                           labels=dict(request.labels),
                           on_overrun=str(grant.get("on_overrun") or "kill"), created_at=time.time(),
-                          state=State.CREATING, hook=True)
+                          state=State.CREATING, hook=True, tenant=str(grant.get("tenant") or ""),
+                          priority=int(grant.get("priority") or 0), preemptible=bool(grant.get("preemptible")))
         self._track(managed)
         self._write_ledger()
         return managed
@@ -304,6 +309,7 @@ class DockerRuntime(Runtime):
         but has no trustworthy record of its grant is refused, and the manager is told why.
         """
         self._adopt_tasks()
+        resized = self._read_resized()
         mine: dict[str, str | list[str] | bool] = {"label": [Label.GRANT, f"{Label.NODE}={self.node}"]}
         for container in self.client.containers.list(all=True, filters=mine):
             problem = _label_problem(container.labels)
@@ -317,6 +323,8 @@ class DockerRuntime(Runtime):
             managed.exit_code = None if running else state.get("ExitCode")
             managed.finished_at = None if running else _finished_at(state)
             managed.pid = state.get("Pid") or None
+            if managed.grant in resized:
+                managed.gpu_memory = self._resized_grants[managed.grant] = resized[managed.grant]
             self._track(managed)
             log.info("re-adopted %s container %s (grant %s)", managed.state, container.short_id, managed.grant)
 
@@ -352,12 +360,39 @@ class DockerRuntime(Runtime):
             log.warning("ignoring the task ledger: %s", exc)
             return []
 
+    def _resized(self, managed: Managed) -> None:
+        if managed.hook:
+            self._write_ledger()
+        else:
+            self._write_resized(managed)
+
+    def _read_resized(self) -> dict[str, int]:
+        if self._resized_file is None or not self._resized_file.exists():
+            return {}
+        try:
+            grants = security.read_private(self._resized_file).get("grants", {})
+            return {str(k): int(v) for k, v in grants.items() if int(v) > 0}
+        except (ValueError, TypeError, AttributeError) as exc:
+            log.warning("ignoring the resized grants file: %s", exc)
+            return {}
+
+    def _write_resized(self, managed: Managed) -> None:
+        if self._resized_file is None:
+            return
+        tracked = {m.grant: m for m in self.managed()}
+        with self._lock:
+            self._resized_grants = {g: tracked[g].gpu_memory for g in self._resized_grants if g in tracked}
+            self._resized_grants.update((m.grant, m.gpu_memory) for m in [managed] if not m.hook)
+            grants = dict(self._resized_grants)
+        security.write_private(self._resized_file, {"grants": grants})
+
     def _write_ledger(self) -> None:
         if self._ledger is None:
             return
         tasks = [{"grant": m.grant, "container_id": m.container_id, "name": m.name, "gpus": m.gpus,
                   "gpu_memory": m.gpu_memory, "image": m.image, "labels": m.labels, "on_overrun": m.on_overrun,
-                  "created_at": m.created_at} for m in self.managed() if m.hook]
+                  "created_at": m.created_at, "tenant": m.tenant, "priority": m.priority,
+                  "preemptible": m.preemptible} for m in self.managed() if m.hook]
         security.write_private(self._ledger, {"tasks": tasks})
 
     def _watch(self) -> None:

@@ -102,6 +102,7 @@ class Enforcer:
         sample = take_sample(self.source, self.devices, self.runtime)
         self.latest, self.latest_at = sample, time.monotonic()
         self.full_samples += 1
+        self.runtime.note_usage(sample.usage)
         managed = {m.grant: m for m in self.runtime.managed() if m.state == State.RUNNING}
         verdicts = self._judge(sample, managed)
         self._remember_room(sample, managed)

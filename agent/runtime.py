@@ -44,6 +44,11 @@ class Managed:
     #: granted through the runtime hook (a Swarm task, or ``docker run`` with a request)
     hook: bool = False
     finished_at: float | None = None
+    tenant: str = ""
+    priority: int = 0
+    preemptible: bool = False
+    #: the highest usage, summed over its GPUs, any sample has seen
+    peak: int = 0
 
     def report(self, usage: dict[str, int] | None = None, *, compact: bool = False) -> ContainerReport:
         """This container as the wire protocol carries it; ``compact`` leaves out its command and user labels."""
@@ -53,13 +58,14 @@ class Managed:
             command=[] if compact else self.command, gpus=self.gpus, gpu_memory=self.gpu_memory, state=self.state,
             exit_code=self.exit_code, reason=self.reason, usage=usage or {}, labels=labels,
             on_overrun=self.on_overrun, created_at=self.created_at, hook=self.hook, finished_at=self.finished_at,
+            tenant=self.tenant, priority=self.priority, preemptible=self.preemptible, peak=self.peak,
         )
 
     def status(self, usage: dict[str, int] | None = None) -> ContainerStatus:
         """What a heartbeat carries of this container: the grant id and its figures."""
         return ContainerStatus(grant=self.grant, container_id=self.container_id, state=self.state,
                                exit_code=self.exit_code, reason=self.reason, usage=usage or {},
-                               finished_at=self.finished_at)
+                               finished_at=self.finished_at, peak=self.peak)
 
 
 ChangeCallback = Callable[[Managed], None]
@@ -117,6 +123,25 @@ class Runtime:
         with self._lock:
             return next((m for m in self._table.values() if m.container_id == container_id
                          and m.state in (State.RUNNING, State.CREATING, REMOVING)), None)
+
+    def note_usage(self, usage: dict[str, dict[str, int]]) -> None:
+        """Keep each container's peak: the highest usage (summed over its GPUs) of any sample so far."""
+        with self._lock:
+            for grant, per_gpu in usage.items():
+                managed = self._table.get(grant)
+                if managed is not None:
+                    managed.peak = max(managed.peak, sum(per_gpu.values()))
+
+    def resize(self, grant: str, gpu_memory: int) -> Managed:
+        """Grant ``gpu_memory`` per GPU to the container holding ``grant`` from now on; raises NotFound."""
+        managed = self.get(grant)
+        with self._lock:
+            managed.gpu_memory = gpu_memory
+        self._resized(managed)
+        return managed
+
+    def _resized(self, managed: Managed) -> None:
+        """Keep a resize where a restarted agent finds it (the container's labels hold the first grant)."""
 
     def owner_of(self, pid: int, started: int | None = None) -> Managed | None:
         """The managed container host process ``pid`` runs in, if any.
@@ -183,7 +208,8 @@ def grant_labels(spec: ContainerSpec) -> dict[str, str]:
         Label.GRANT: spec.grant, Label.GPU: ",".join(spec.gpus), Label.MEMORY: str(spec.gpu_memory),
         Label.NAME: spec.name, Label.COMMAND: json.dumps(spec.command), Label.ON_OVERRUN: spec.on_overrun,
         Label.CREATED_AT: repr(spec.created_at or time.time()),
-        Label.USER_LABELS: json.dumps(sorted(spec.labels)),
+        Label.USER_LABELS: json.dumps(sorted(spec.labels)), Label.TENANT: spec.tenant,
+        Label.PRIORITY: str(spec.priority), Label.PREEMPTIBLE: "1" if spec.preemptible else "0",
     }
 
 
@@ -196,5 +222,13 @@ def managed_from_labels(container_id: str, labels: dict[str, str], image: str, s
         gpu_memory=int(labels.get(Label.MEMORY, "1")),
         image=image, command=json.loads(labels.get(Label.COMMAND, "[]")),
         labels={k: labels[k] for k in user_keys if k in labels}, on_overrun=labels.get(Label.ON_OVERRUN, "kill"),
-        created_at=float(labels.get(Label.CREATED_AT, "0")), state=state,
+        created_at=float(labels.get(Label.CREATED_AT, "0")), state=state, tenant=labels.get(Label.TENANT, ""),
+        priority=_int(labels.get(Label.PRIORITY, "0")), preemptible=labels.get(Label.PREEMPTIBLE) == "1",
     )
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        return 0

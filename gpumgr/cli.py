@@ -106,7 +106,7 @@ def run_manager_command(args: argparse.Namespace) -> int:
     settings = manager_settings(args)
     _logging(settings.log_level)
     server, manager = start_manager(settings)
-    _serve_until_signal(server, manager)
+    _serve_until_signal(server, manager, lambda: manager_settings(args))
     return 0
 
 
@@ -145,7 +145,7 @@ def run_up_command(args: argparse.Namespace) -> int:
     print(f"gpumgr up: local agent {agent.node} with {len(agent.devices)} {agent.source.kind} GPU(s) "
           f"and the {agent.runtime.kind} runtime", flush=True)
     try:
-        _serve_until_signal(server, manager)
+        _serve_until_signal(server, manager, lambda: manager_settings(args))
     finally:
         agent.stop()
         thread.join(5)
@@ -299,7 +299,8 @@ def build_agent(settings: AgentSettings) -> Any:
     return agent
 
 
-def _serve_until_signal(server: Any, manager: Any) -> None:
+def _serve_until_signal(server: Any, manager: Any, reread: Any = None) -> None:
+    """Serve until SIGTERM or SIGINT; SIGHUP reloads the tenants, quotas and tokens from ``reread()``."""
     def shutdown(*_: Any) -> None:
         # every connection too, not just the listening socket: with poll() the loop runs while any is open
         from waitress import wasyncore
@@ -307,14 +308,28 @@ def _serve_until_signal(server: Any, manager: Any) -> None:
         server.close()
         wasyncore.close_all(getattr(server, "_map", None) or getattr(server, "map", {}))
 
+    def reload(*_: Any) -> None:
+        # off the signal handler: reading files and validating must not run inside the server loop's frame
+        threading.Thread(target=_reload, args=(manager, reread), name="reload", daemon=True).start()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, shutdown)
+    if reread is not None:
+        signal.signal(signal.SIGHUP, reload)
     try:
         server.run()
     except OSError:
         pass  # closing the listening socket from the signal handler ends run() this way
     finally:
         manager.stop()
+
+
+def _reload(manager: Any, reread: Any) -> None:
+    """Re-read the settings and put their tenants in force; a broken file keeps the settings in force."""
+    try:
+        manager.reload_tenants(reread())
+    except (ValidationError, ValueError, OSError) as exc:
+        log.error("reload refused, the settings in force stay: %s", exc)
 
 
 def _is_loopback(host: str) -> bool:

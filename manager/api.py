@@ -7,13 +7,15 @@ import shlex
 import time
 from typing import Annotated, Any, Literal, cast
 
-from flask import Blueprint, Response, current_app, jsonify, request
+from flask import Blueprint, Response, current_app, g, jsonify, request
 from pydantic import (
     AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -22,8 +24,9 @@ from pydantic import (
 
 from gpumgr.manager.records import PlacementSpec
 from gpumgr.manager.service import Manager
+from gpumgr.manager.tenants import OPERATOR, TENANT_NAME, Principal
 from gpumgr.wire import defaults, protocol
-from gpumgr.wire.errors import InvalidRequest, ProtocolError
+from gpumgr.wire.errors import Forbidden, InvalidRequest, ProtocolError
 from gpumgr.wire.names import LABEL_PREFIX, RESERVED_ENV, Label, State
 from gpumgr.wire.units import MAX_BYTES, parse_bytes
 
@@ -132,6 +135,27 @@ class CreateContainer(BaseModel):
     node: StrictStr | None = Field(None, min_length=1, max_length=MAX_NODE_NAME)
     placement: Literal["spread", "binpack"] | None = None
     on_overrun: Literal["kill", "stop", "report"] | None = None
+    tenant: StrictStr | None = Field(None, pattern=TENANT_NAME.pattern, description="the operator only: act for "
+                                     "this tenant")
+    priority: StrictInt | None = Field(None, ge=-defaults.MAX_PRIORITY, le=defaults.MAX_PRIORITY,
+                                       description="higher is placed first; default and ceiling: the tenant's")
+    preemptible: StrictBool = Field(False, description="may be stopped (state preempted) to make room for a "
+                                    "queued request of higher priority")
+    queue: StrictBool = Field(False, description="wait for room (202, state queued) instead of 409 no_fit")
+    queue_timeout: StrictInt | StrictFloat | None = Field(None, gt=0, le=defaults.MAX_QUEUE_TIMEOUT,
+                                                          description="seconds to wait in the queue before "
+                                                          "the request ends as expired")
+
+
+class ResizeContainer(BaseModel):
+    """The body of ``PATCH /v1/containers/{cid}``: the new grant per GPU."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    gpu_memory: Annotated[int, BeforeValidator(_memory), WithJsonSchema(MEMORY_SCHEMA)] = Field(
+        description="the new grant on each of its GPUs: bytes, or a size such as '8GiB'")
+    force: StrictBool = Field(False, description="shrink below what the container uses now (its node then acts "
+                              "on the overrun)")
 
 
 def manager() -> Manager:
@@ -139,10 +163,21 @@ def manager() -> Manager:
     return cast(Manager, current_app.extensions["gpumgr.manager"])
 
 
+def principal() -> Principal:
+    """Who the current request acts as (set by the app's authorization)."""
+    return cast(Principal, g.get("principal", OPERATOR))
+
+
 @bp.post("/containers")
 def create_container() -> tuple[Response, int]:
-    """Place and start a container; 201 with its record once it runs."""
+    """Place and start a container: 201 with its record once it runs, or 202 while it waits in the queue."""
     body = _validated(CreateContainer)
+    tenant = manager().acting_as(principal(), body.tenant)
+    ceiling = tenant.priority if tenant is not None else None
+    priority = body.priority if body.priority is not None else (ceiling or 0)
+    if ceiling is not None and priority > ceiling:
+        raise Forbidden(f"priority {priority} is above tenant {tenant.name if tenant else ''}'s ceiling of {ceiling}",
+                        code="priority_not_allowed")
     if any(k.startswith(LABEL_PREFIX) for k in body.labels):
         raise InvalidRequest(f"labels starting with {LABEL_PREFIX!r} are reserved for gpumgr")
     if body.image is None and manager().cluster.needs_image():
@@ -152,9 +187,10 @@ def create_container() -> tuple[Response, int]:
     spec = PlacementSpec(
         memory=body.gpu_memory, count=body.gpus, placement=body.placement or settings.placement, image=body.image,
         command=body.command, name=body.name, env=body.env, labels=body.labels, node=body.node,
-        on_overrun=body.on_overrun or settings.on_overrun,
+        on_overrun=body.on_overrun or settings.on_overrun, priority=priority, preemptible=body.preemptible,
     )
-    return jsonify(manager().create(spec)), 201
+    record, status = manager().create(spec, queue=body.queue, queue_timeout=body.queue_timeout, tenant=tenant)
+    return jsonify(record), status
 
 
 @bp.get("/containers")
@@ -164,37 +200,63 @@ def list_containers() -> Response:
     if state is not None and state not in {s.value for s in State}:
         raise InvalidRequest(f"state must be one of {', '.join(s.value for s in State)}, not {state!r}")
     cluster = manager().cluster
-    records = cluster.containers(state=state, node=_query("node", MAX_NODE_NAME))
+    tenant = _query("tenant", 64)
+    records = cluster.containers(state=state, node=_query("node", MAX_NODE_NAME), principal=principal())
+    if tenant is not None:
+        records = [r for r in records if r.tenant == tenant]
     service = _query("service", MAX_FIELD)
     if service is not None:
         records = [r for r in records if r.labels.get(Label.SERVICE) == service]
-    return jsonify({"containers": [cluster.view(r) for r in records]})
+    return jsonify({"containers": cluster.views(records)})
 
 
 @bp.get("/containers/<cid>")
 def get_container(cid: str) -> Response:
-    """One container record; 404 for an unknown id."""
+    """One container record; 404 for an unknown id (or another tenant's)."""
     cluster = manager().cluster
-    return jsonify(cluster.view(cluster.get(cid)))
+    return jsonify(cluster.view(cluster.get_for(cid, principal())))
+
+
+@bp.patch("/containers/<cid>")
+def resize_container(cid: str) -> Response:
+    """Grow or shrink a running (or queued) container's grant in place; 200 with the new record."""
+    manager().cluster.get_for(cid, principal())  # another tenant's id is a 404 before the body is even read
+    body = _validated(ResizeContainer)
+    return jsonify(manager().resize(cid, body.gpu_memory, force=body.force, principal=principal()))
 
 
 @bp.delete("/containers/<cid>")
 def delete_container(cid: str) -> tuple[Response, int]:
-    """Stop and remove a container; its grant is freed."""
+    """Stop and remove a container (or withdraw a queued request); its grant is freed."""
+    manager().cluster.get_for(cid, principal())
     record, status = manager().remove(cid)
     return jsonify(record), status
 
 
 @bp.get("/nodes")
 def list_nodes() -> Response:
-    """The machine × GPU map."""
-    return Response(manager().cluster.nodes_json(), mimetype="application/json")
+    """The machine × GPU map (a tenant sees every figure, but only its own containers' ids)."""
+    if principal().operator:
+        return Response(manager().cluster.nodes_json(), mimetype="application/json")
+    return jsonify({"nodes": manager().cluster.nodes_view(principal())})
 
 
 @bp.delete("/nodes/<name>")
 def delete_node(name: str) -> Response:
     """Forget a node that is down and its agent's binding (409 while it is up, 404 if unknown)."""
+    _operator_only("forget a node")
     return jsonify(manager().forget_node(name))
+
+
+@bp.get("/tenants")
+def list_tenants() -> Response:
+    """Tenants with their quotas, what each holds and has queued; a tenant sees only itself."""
+    return jsonify({"tenants": manager().cluster.tenants_view(principal())})
+
+
+def _operator_only(what: str) -> None:
+    if not principal().operator:
+        raise Forbidden(f"only the operator may {what}")
 
 
 @bp.get("/events")
@@ -205,7 +267,11 @@ def list_events() -> Response:
     if not (since.isascii() and since.isdigit()) or int(since) > MAX_INT64:
         raise InvalidRequest(f"since must be a non-negative integer of at most {MAX_INT64}, not {since!r}")
     kinds = set(filter(None, (_query("type", MAX_TYPES_QUERY) or "").split(","))) or None
-    return jsonify({"events": manager().events.since(int(since), kinds)})
+    events = manager().events.since(int(since), kinds)
+    caller = principal()
+    if not caller.operator:
+        events = [e for e in events if e.get("tenant") == caller.tenant]
+    return jsonify({"events": events})
 
 
 def _query(name: str, limit: int) -> str | None:

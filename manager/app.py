@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
-from flask import Flask, Response, jsonify, request
+from flask import Flask, Response, g, jsonify, request
 from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException
 
 from gpumgr.manager import api, openapi
 from gpumgr.manager.service import Manager
+from gpumgr.manager.tenants import TenantBook
 from gpumgr.wire.errors import GpumgrError
 
 #: Open without the token: liveness, and the API's description (its shape is public, it holds no state).
@@ -27,7 +27,7 @@ def create_app(manager: Manager, test_config: dict[str, Any] | None = None) -> F
     app.register_blueprint(api.bp)
     app.add_url_rule("/healthz", "healthz", lambda: healthz(manager))
     app.add_url_rule("/openapi.json", "openapi", lambda: jsonify(openapi.document()))
-    app.before_request(lambda: _authorize(manager.settings.token))
+    app.before_request(lambda: _authorize(manager.tenants))
     app.register_error_handler(GpumgrError, _gpumgr_error)
     app.register_error_handler(HTTPException, _http_error)
     return app
@@ -44,12 +44,18 @@ def healthz(manager: Manager) -> Response:
     return jsonify({"status": "ok", "nodes_ready": manager.cluster.ready_nodes()})
 
 
-def _authorize(token: str | None) -> tuple[Response, int] | None:
-    """Only ``Authorization: Bearer <token>`` opens the API when it has a token (compared in constant time)."""
-    if not token or request.path in OPEN_PATHS:
+def _authorize(tenants: TenantBook) -> tuple[Response, int] | None:
+    """Only ``Authorization: Bearer <token>`` opens the API when it has tokens; the token says who acts.
+
+    The operator's token acts as the operator, a tenant's as that tenant (every token is compared in
+    constant time). With no token configured at all, every caller is the operator.
+    """
+    if request.path in OPEN_PATHS:
         return None
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode()):
+    found = tenants.identify(given.strip() if scheme.lower() == "bearer" else "\0")
+    if found is not None and (scheme.lower() == "bearer" or tenants.open):
+        g.principal = found
         return None
     response, status = _error("unauthorized", "send 'Authorization: Bearer <token>' with the manager's token", 401)
     response.headers["WWW-Authenticate"] = 'Bearer realm="gpumgr"'

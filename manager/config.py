@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field
 
+from gpumgr.manager.tenants import TenantConfig
 from gpumgr.wire import defaults
 from gpumgr.wire.config import Settings, size
 
@@ -26,4 +27,6 @@ class ManagerSettings(Settings):
     remove_timeout: float = Field(defaults.REMOVE_TIMEOUT, gt=0)
     forget_after: float = Field(defaults.NODE_FORGET_AFTER, gt=0)
     threads: int = Field(defaults.API_THREADS, ge=1)
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+    queue_aging: float = Field(defaults.QUEUE_AGING, gt=0)
     log_level: str = "INFO"

@@ -47,15 +47,32 @@ class GpuRef(_Shape):
     name: str | None
 
 
+class QueuePlace(_Shape):
+    """Where a queued request stands."""
+
+    position: int | None = Field(description="1-based place in line")
+    length: int = Field(description="requests waiting in all")
+    effective_priority: float = Field(description="its priority plus one step per aging period waited")
+    waited: float = Field(description="seconds waited so far")
+    expires_at: float | None = Field(description="when it ends as expired (Unix time), from its queue_timeout")
+    making_room: list[str] = Field(description="preemptible containers being stopped to make room for it")
+
+
 class ContainerRecord(_Shape):
     """A container and its grant (``views.container_view``)."""
 
     id: str
     name: str
-    node: str
+    node: str | None = Field(description="null while queued")
+    tenant: str | None = Field(description="the tenant it belongs to; null: the operator's")
     gpus: list[GpuRef]
+    gpu_count: int = Field(description="GPUs it holds, or asks for while queued")
     gpu_memory: int = Field(description="bytes granted on each GPU")
     gpu_memory_used: int = Field(description="bytes its processes use, summed over its GPUs")
+    gpu_memory_peak: int = Field(description="the highest usage ever sampled, summed over its GPUs; kept after it "
+                                 "ends")
+    priority: int
+    preemptible: bool
     container_id: str | None
     state: State
     exit_code: int | None
@@ -68,6 +85,9 @@ class ContainerRecord(_Shape):
     on_overrun: str
     confirm_by: float | None = Field(description="while creating: when the grant is released unless its node "
                                      "confirms the container (Unix time); null otherwise")
+    queued_at: float | None = Field(description="when it joined the queue (Unix time); null if it never waited")
+    queue: QueuePlace | None = Field(description="while queued: its place in line; null otherwise")
+    preempted_for: str | None = Field(description="the queued request it was (or is being) preempted for")
     detail: dict[str, Any] = Field(default_factory=dict, description="present when there is something to say, "
                                    "e.g. the overrun that killed it")
 
@@ -135,6 +155,51 @@ class EventList(_Shape):
     events: list[Event]
 
 
+class TenantQuota(_Shape):
+    """A tenant's limits; null: unlimited."""
+
+    gpu_memory: int | None = Field(description="bytes of live and queued grants together (summed over GPUs)")
+    containers: int | None = Field(description="live and queued containers")
+    priority: int = Field(description="the highest priority its requests may ask for, and their default")
+
+
+class TenantHeld(_Shape):
+    """What a tenant holds now."""
+
+    gpu_memory: int
+    containers: int
+
+
+class TenantQueued(_Shape):
+    """What a tenant has waiting in the queue."""
+
+    gpu_memory: int
+    requests: int
+
+
+class GibHours(_Shape):
+    """GPU memory over time since the manager started: GiB held for an hour is 1."""
+
+    granted: float
+    used: float
+
+
+class TenantView(_Shape):
+    """One tenant (``Cluster.tenants_view``)."""
+
+    name: str
+    quota: TenantQuota
+    in_use: TenantHeld
+    queued: TenantQueued
+    gpu_memory_gib_hours: GibHours
+
+
+class TenantList(_Shape):
+    """``GET /v1/tenants``: every tenant for the operator, itself for a tenant."""
+
+    tenants: list[TenantView]
+
+
 class Health(_Shape):
     """``GET /healthz``."""
 
@@ -143,13 +208,15 @@ class Health(_Shape):
 
 
 RESPONSES: tuple[type[BaseModel], ...] = (Error, ContainerRecord, ContainerList, NodeList, NodeForgotten,
-                                          EventList, Health)
+                                          EventList, Health, TenantList)
 #: What each error status means here.
 ERRORS = {
     400: "the request is invalid; the message says which field and which bound",
     401: "no or a wrong bearer token (only when the manager has a token)",
-    404: "no such container or node",
-    409: "no GPU can hold the request (no_fit), or the node is up (conflict)",
+    403: "over the tenant's quota (quota_exceeded), a priority above its ceiling, or the operator's alone",
+    404: "no such container or node (or another tenant's)",
+    409: "no GPU can hold the request (no_fit, never_fits), the queue is full, the node is up, or a shrink "
+         "below usage without force (below_usage)",
     413: "the body is over 1 MiB",
     502: "the agent could not do it",
     503: "no agent is ready, or the container's node is down",
@@ -160,7 +227,8 @@ ERRORS = {
 @cache
 def document() -> dict[str, Any]:
     """The whole document, built once."""
-    pairs: list[tuple[type[BaseModel], JsonSchemaMode]] = [(api.CreateContainer, "validation")]
+    pairs: list[tuple[type[BaseModel], JsonSchemaMode]] = [(api.CreateContainer, "validation"),
+                                                           (api.ResizeContainer, "validation")]
     pairs += [(model, "serialization") for model in RESPONSES]
     refs, top = models_json_schema(pairs, ref_template="#/components/schemas/{model}")
     ref = {model: refs[(model, mode)] for model, mode in pairs}
@@ -169,17 +237,19 @@ def document() -> dict[str, Any]:
         return {str(status): {"description": text, "content": {"application/json": {"schema": ref[model]}}}}
 
     def operation(summary: str, ok: tuple[int, type[BaseModel], str], errors: tuple[int, ...], *,
-                  params: list[dict[str, Any]] | None = None, body: bool = False, open_: bool = False,
-                  op_id: str) -> dict[str, Any]:
+                  params: list[dict[str, Any]] | None = None, body: type[BaseModel] | None = None,
+                  open_: bool = False, op_id: str, also: tuple[int, type[BaseModel], str] | None = None,
+                  ) -> dict[str, Any]:
         responses = answer(*ok)
+        if also is not None:
+            responses.update(answer(*also))
         for status in (*errors, *(() if open_ else (401,))):
             responses.update(answer(status, Error, ERRORS[status]))
         op: dict[str, Any] = {"operationId": op_id, "summary": summary, "responses": responses}
         if params:
             op["parameters"] = params
-        if body:
-            op["requestBody"] = {"required": True,
-                                 "content": {"application/json": {"schema": ref[api.CreateContainer]}}}
+        if body is not None:
+            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref[body]}}}
         if open_:
             op["security"] = []
         return op
@@ -201,11 +271,13 @@ def document() -> dict[str, Any]:
                                                         "content": {"application/json": {"schema": {
                                                             "type": "object"}}}}}}},
         "/v1/containers": {
-            "post": operation("Place and start a container; 201 once it runs",
-                              (201, ContainerRecord, "running, with its grant"), (400, 409, 413, 502, 503, 504),
-                              body=True, op_id="createContainer"),
+            "post": operation("Place and start a container; 201 once it runs, 202 while it waits in the queue",
+                              (201, ContainerRecord, "running, with its grant"),
+                              (400, 403, 409, 413, 502, 503, 504), body=api.CreateContainer, op_id="createContainer",
+                              also=(202, ContainerRecord, "queued: placed and started as soon as room frees")),
             "get": operation("Every container record, oldest first", (200, ContainerList, "the records"), (400,),
                              params=[query("state", "only records in this state", enum=states),
+                                     query("tenant", "only records of this tenant", maxLength=64),
                                      query("node", "only records of this node", maxLength=api.MAX_NODE_NAME),
                                      query("service", "only tasks of this Swarm service", maxLength=api.MAX_FIELD)],
                              op_id="listContainers"),
@@ -213,15 +285,24 @@ def document() -> dict[str, Any]:
         "/v1/containers/{cid}": {
             "get": operation("One container record", (200, ContainerRecord, "the record"), (404,), params=[cid],
                              op_id="getContainer"),
-            "delete": operation("Stop and remove a container; its grant is freed",
+            "patch": operation("Grow or shrink a running (or queued) container's grant in place",
+                               (200, ContainerRecord, "the record with its new grant"),
+                               (400, 403, 404, 409, 413, 502, 503, 504), params=[cid], body=api.ResizeContainer,
+                               op_id="resizeContainer"),
+            "delete": operation("Stop and remove a container, or withdraw a queued request; its grant is freed",
                                 (200, ContainerRecord, "removed"), (404, 502, 503, 504), params=[cid],
-                                op_id="removeContainer"),
+                                op_id="removeContainer",
+                                also=(202, ContainerRecord, "kept: carried out once its node is back or its "
+                                      "create returns")),
         },
         "/v1/nodes": {"get": operation("The machine × GPU map", (200, NodeList, "every node and its GPUs"), (),
                                        op_id="listNodes")},
         "/v1/nodes/{name}": {"delete": operation(
-            "Forget a node that is down, and its agent's binding", (200, NodeForgotten, "forgotten"), (404, 409),
+            "Forget a node that is down, and its agent's binding", (200, NodeForgotten, "forgotten"), (403, 404, 409),
             params=[path("name", "the node's name")], op_id="forgetNode")},
+        "/v1/tenants": {"get": operation("Tenants: quotas, what each holds and has queued, GiB·hours since start",
+                                         (200, TenantList, "the tenants the caller may see"), (),
+                                         op_id="listTenants")},
         "/v1/events": {"get": operation(
             "Recent events, oldest first", (200, EventList, "the events"), (400,),
             params=[query("since", "only events with a greater id (a non-negative int64)", pattern="^[0-9]{1,19}$"),

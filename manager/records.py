@@ -63,6 +63,33 @@ class Container:
     deadline: float | None = None
     #: ``DELETE`` came while its node was down: it is removed when the node returns
     remove_requested: bool = False
+    #: the tenant it belongs to (None: the operator's)
+    tenant: str | None = None
+    priority: int = 0
+    #: may be stopped to make room for a queued request of higher priority
+    preemptible: bool = False
+    #: the highest usage (summed over its GPUs) ever sampled; kept after it ends
+    gpu_memory_peak: int = 0
+    #: while ``queued``: what it waits to be placed as (it holds no GPUs yet)
+    spec: PlacementSpec | None = None
+    #: when it joined the queue (Unix time), if it ever waited; its place in the queue's first-come order
+    queued_at: float | None = None
+    queue_seq: int = 0
+    #: while ``queued``: when it gives up (Unix time), from its ``queue_timeout``
+    expires_at: float | None = None
+    #: being preempted: the queued request it makes room for
+    preempted_for: str | None = None
+    #: while ``queued``: the preemptible containers being stopped to make room for it
+    making_room: list[str] = field(default_factory=list)
+    #: a resize is being carried out on its node (one at a time)
+    resizing: bool = False
+    #: when ``usage`` was last refreshed (monotonic), to integrate it over time for its tenant
+    usage_at: float = 0.0
+
+    @property
+    def count(self) -> int:
+        """How many GPUs it holds, or asks for while queued."""
+        return self.spec.count if self.spec is not None and not self.gpus else len(self.gpus)
 
 
 @dataclass(frozen=True)
@@ -82,3 +109,6 @@ class PlacementSpec:
     container_id: str | None = None
     #: asked for by a node's runtime hook rather than the REST API
     hook: bool = False
+    tenant: str | None = None
+    priority: int = 0
+    preemptible: bool = False

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from gpumgr.manager.admission import Admission
@@ -11,9 +13,10 @@ from gpumgr.manager.cluster import Cluster
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.events import EventLog
 from gpumgr.manager.link import ManagerLink
-from gpumgr.manager.records import PlacementSpec
+from gpumgr.manager.records import Container, PlacementSpec
+from gpumgr.manager.tenants import OPERATOR, Principal, Tenant, TenantBook, build_tenants
 from gpumgr.wire import defaults, protocol
-from gpumgr.wire.errors import AgentFailed, Conflict, GpumgrError, NoAgents, NotFound
+from gpumgr.wire.errors import AgentFailed, Conflict, Forbidden, GpumgrError, InvalidRequest, NoAgents, NotFound
 from gpumgr.wire.link import Peer
 from gpumgr.wire.names import LIVE, EventType, State
 
@@ -25,38 +28,91 @@ class Manager:
 
     def __init__(self, settings: ManagerSettings) -> None:
         self.settings = settings
+        self.tenants = TenantBook(build_tenants(settings.tenants, settings.token), settings.token)
         self.events = EventLog()
+        self.admission = Admission(settings.state_dir)
         self.cluster = Cluster(self.events, headroom=settings.headroom,
                                down_after=settings.heartbeat_interval * settings.heartbeat_liveness,
-                               forget_after=settings.forget_after)
-        self.admission = Admission(settings.state_dir)
+                               forget_after=settings.forget_after, aging=settings.queue_aging,
+                               state_dir=str(self.admission.folder))
+        self.cluster.tenants = self.tenants
+        self.cluster.create_deadline = settings.create_timeout + defaults.CREATE_MARGIN
+        restored = self.cluster.restore_queue(self.cluster.journal.load())
+        if restored:
+            log.info("restored %d queued requests from %s", restored, self.cluster.journal.path)
         self.link = ManagerLink(settings.agents, self._on_message, self.admission.keys,
                                 tick=settings.heartbeat_interval / 2,
                                 on_tick=self._on_tick)
         self._next_sweep = 0.0
+        self._stopping = threading.Event()
+        self._workers = ThreadPoolExecutor(defaults.DISPATCH_WORKERS, thread_name_prefix="dispatch")
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="dispatcher", daemon=True)
 
     def start(self) -> None:
-        """Bind the agent link."""
+        """Bind the agent link and start placing queued requests as room frees."""
         self.link.start()
+        self._dispatcher.start()
         log.info("agent link bound on %s", self.link.bound_endpoint)
 
     def stop(self) -> None:
-        """Close the agent link."""
+        """Stop the dispatcher and close the agent link (the queue stays in its journal)."""
+        self._stopping.set()
+        self.cluster.wake.set()
+        if self._dispatcher.is_alive():
+            self._dispatcher.join(5)
+        self._workers.shutdown(wait=False, cancel_futures=True)
         self.link.stop()
+        self.cluster.journal.close()
+
+    def reload_tenants(self, settings: ManagerSettings) -> None:
+        """Put new tenants, quotas and tokens in force (SIGHUP); raises ValueError, keeping the old ones."""
+        tenants = build_tenants(settings.tenants, settings.token)
+        self.tenants.replace(tenants, settings.token)
+        self.settings = self.settings.model_copy(update={"tenants": settings.tenants, "token": settings.token})
+        self.cluster.wake.set()  # a raised quota may let queued requests go
+        log.info("tenants reloaded: %s", ", ".join(sorted(tenants)) or "none")
+
+    def acting_as(self, principal: Principal, tenant: str | None) -> Tenant | None:
+        """The tenant a request acts for: the caller's own, or (the operator only) the one it names."""
+        if tenant is None:
+            name = principal.tenant
+        elif principal.operator:
+            name = tenant
+        else:
+            raise Forbidden("only the operator may act for a tenant; leave out 'tenant'")
+        if name is None:
+            return None
+        found = self.tenants.get(name)
+        if found is None:
+            raise InvalidRequest(f"tenant: no tenant named {name!r} is configured")
+        return found
 
     # --- use cases ---------------------------------------------------------------------------
-    def create(self, spec: PlacementSpec) -> dict[str, Any]:
-        """Grant memory, have the chosen node's agent start the container, and return its record.
+    def create(self, spec: PlacementSpec, *, queue: bool = False, queue_timeout: float | None = None,
+               tenant: Tenant | None = None) -> tuple[dict[str, Any], int]:
+        """Grant memory and have the chosen node start the container: ``(record, 201)`` once it runs.
 
-        The grant is released on every failure; a create that the agent finishes after we gave up
-        is undone when its next heartbeat reports a container whose record is ``failed``.
+        With ``queue`` a request that does not fit now waits: ``(record, 202)`` in state ``queued``; it
+        is placed and started as soon as room frees, with no further call.
         """
         # the request below gives up after create_timeout; the deadline is the backstop should it never return
-        record = self.cluster.reserve(spec, deadline=self.settings.create_timeout + defaults.CREATE_MARGIN)
+        record = self.cluster.submit(spec, deadline=self.settings.create_timeout + defaults.CREATE_MARGIN,
+                                     queue=queue, queue_timeout=queue_timeout, tenant=tenant)
+        if record.state is State.QUEUED:
+            return self.cluster.view(record), 202
+        return self._start(record), 201
+
+    def _start(self, record: Container) -> dict[str, Any]:
+        """Have ``record``'s node create and start its container; the grant is released on every failure.
+
+        A create that the agent finishes after we gave up is undone when its next heartbeat reports a
+        container whose record is ``failed``.
+        """
         create = protocol.Create(spec=protocol.ContainerSpec(
             grant=record.id, name=record.name, image=record.image, command=record.command, env=record.env,
             labels=record.labels, gpus=record.gpus, gpu_memory=record.gpu_memory, on_overrun=record.on_overrun,
-            created_at=record.created_at,
+            created_at=record.created_at, tenant=record.tenant or "", priority=record.priority,
+            preemptible=record.preemptible,
         ))
         try:
             reply = self.link.request(self.cluster.routing_id(record.node), create, self.settings.create_timeout)
@@ -75,6 +131,25 @@ class Manager:
             return self.remove(record.id)[0]
         return self.cluster.view(started)
 
+    def resize(self, cid: str, memory: int, *, force: bool = False, principal: Principal = OPERATOR) -> dict[str, Any]:
+        """Grow or shrink ``cid``'s grant in place; its node enforces the new figure from its next sample."""
+        record = self.cluster.get_for(cid, principal)
+        tenant = self.tenants.get(record.tenant) if record.tenant is not None else None
+        record, old, needs_node = self.cluster.begin_resize(cid, memory, force=force, tenant=tenant)
+        if not needs_node:
+            return self.cluster.view(record)
+        ok = False
+        try:
+            reply = self.link.request(self.cluster.routing_id(record.node),
+                                      protocol.Resize(grant=record.id, gpu_memory=memory), self.settings.remove_timeout)
+            ok = reply.ok
+            if not ok:
+                reason = reply.error.message if reply.error else "unknown error"
+                raise AgentFailed(f"node {record.node} could not resize the grant: {reason}")
+        finally:
+            record = self.cluster.end_resize(cid, old, memory, ok)
+        return self.cluster.view(record)
+
     def remove(self, cid: str) -> tuple[dict[str, Any], int]:
         """Stop and remove ``cid`` on its node and free its grant: ``(record, 200)``.
 
@@ -82,6 +157,8 @@ class Manager:
         the grant stays until then, since the container may still be running there.
         """
         record = self.cluster.get(cid)
+        if record.state is State.QUEUED:
+            return self.cluster.view(self.cluster.withdraw(cid)), 200
         if record.state is State.REMOVED:
             return self.cluster.view(record), 200
         if record.state in LIVE and not self.cluster.node_ready(record.node):
@@ -105,6 +182,44 @@ class Manager:
             raise NotFound(f"no node named {name!r}")
         log.info("forgot node %s and its binding", name)
         return {"name": name, "forgotten": True}
+
+    # --- the dispatcher ----------------------------------------------------------------------
+    def _dispatch_loop(self) -> None:
+        """Place queued requests whenever room may have freed, and start them on their nodes."""
+        while not self._stopping.is_set():
+            self.cluster.wake.wait(defaults.DISPATCH_TICK)
+            if self._stopping.is_set():
+                return
+            try:
+                started, victims = self.cluster.dispatch()
+            except Exception:  # never let one bad pass stop the queue
+                log.exception("dispatch failed; trying again")
+                time.sleep(defaults.DISPATCH_TICK)
+                continue
+            for record in started:
+                self._workers.submit(self._start_placed, record)
+            for victim in victims:
+                self._workers.submit(self._preempt, victim)
+
+    def _start_placed(self, record: Container) -> None:
+        try:
+            self._start(record)
+        except GpumgrError as exc:
+            log.warning("queued request %s was placed but could not start: %s", record.id, exc.message)
+        except Exception:
+            log.exception("queued request %s was placed but could not start", record.id)
+
+    def _preempt(self, victim: Container) -> None:
+        """Stop a preemptible container chosen to make room; it ends as ``preempted`` once its node confirms."""
+        try:
+            if not self.cluster.node_ready(victim.node):
+                self.cluster.request_removal(victim.id, "its node is down (preempted)")
+                return
+            self._remove_on_node(victim.node, victim.id)
+            self.cluster.finish(victim.id, State.PREEMPTED)
+        except GpumgrError as exc:
+            log.warning("could not preempt %s on %s: %s", victim.id, victim.node, exc.message)
+            self.cluster.preemption_failed(victim.id)
 
     def _remove_on_node(self, node: str, grant: str) -> None:
         if not self.cluster.node_ready(node):
@@ -175,6 +290,10 @@ class Manager:
         if before is not None and before != peer.routing_id:  # a new agent process: the old one answers nothing
             self.link.fail_peer(before, AgentFailed(f"the agent of node {message.node} restarted before answering"))
         self.cluster.refuse_adoptions(message.node, message.refused)
+        for grant, memory in self.cluster.grant_mismatches(message.node, message.containers):
+            log.info("node %s enforces grant %s at another figure than the map: telling it %d", message.node, grant,
+                     memory)
+            self.link.send(peer.routing_id, protocol.Resize(grant=grant, gpu_memory=memory))
         interval = self.settings.heartbeat_interval
         self.link.send(peer.routing_id, protocol.Registered(heartbeat_interval=interval), reply_to=envelope.id)
         self._send_removals(peer.routing_id, removals)
@@ -208,7 +327,8 @@ class Manager:
                 memory=request.gpu_memory, count=request.gpus, placement=self.settings.placement,
                 image=request.image or None, command=[], name=request.name or None, labels=request.labels,
                 node=request.node, on_overrun=request.on_overrun or self.settings.on_overrun,
-                container_id=request.container_id, hook=True,
+                container_id=request.container_id, hook=True, priority=request.priority,
+                preemptible=request.preemptible,
             )
             try:
                 record = self.cluster.reserve(spec, deadline=defaults.HOOK_CONFIRM)
@@ -217,7 +337,7 @@ class Manager:
                                    f"waits: {exc.message}", node=request.node, container=None, **request.labels)
                 return protocol.Reply(ok=False, error=protocol.ErrorBody(**exc.to_dict()))
         result = {"grant": record.id, "gpus": record.gpus, "gpu_memory": record.gpu_memory,
-                  "on_overrun": record.on_overrun}
+                  "on_overrun": record.on_overrun, "priority": record.priority, "preemptible": record.preemptible}
         return protocol.Reply(ok=True, result=result)
 
     def _send_removals(self, routing_id: bytes, grants: list[str]) -> None:

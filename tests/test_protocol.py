@@ -28,6 +28,7 @@ EXAMPLES = [
     protocol.Reregister(),
     protocol.Create(spec=SPEC),
     protocol.Remove(grant="g1", stop_grace=2.0),
+    protocol.Resize(grant="g1", gpu_memory=8 << 30),
     protocol.ContainerEvent(node="n1", container=REPORT, detail={"observed": 7}),
     protocol.Reserve(container_id="c" * 64, gpu_memory=1 << 30, name="infer.1.abc", labels={"gpumgr.task": "t"},
                      node="n1"),

@@ -92,6 +92,22 @@ HOOK_CONFIRM = HOOK_WAIT + 3 * HEARTBEAT_INTERVAL
 #: ``GET /v1/nodes`` serves a cached map this old at most while no grant or node changed.
 MAP_MAX_AGE = 0.5
 
+#: Queue aging: a waiting request's effective priority rises by one step every this many seconds, so a
+#: low-priority request is never starved by a stream of higher ones (it passes one of priority p+k after k steps).
+QUEUE_AGING = 60.0
+#: The most requests the queue holds; more are refused with 409 (each is a few hundred bytes in memory and on disk).
+QUEUE_MAX = 100_000
+#: Priorities a request may ask for lie within ± this bound.
+MAX_PRIORITY = 1_000_000
+#: Longest ``queue_timeout`` (seconds): about a year.
+MAX_QUEUE_TIMEOUT = 366 * 24 * 3600.0
+#: The dispatcher looks at the queue at least this often even when nothing woke it (deadlines, retries).
+DISPATCH_TICK = HEARTBEAT_INTERVAL / 2
+#: Threads that start queued containers on their nodes once placed (no REST caller waits for those).
+DISPATCH_WORKERS = 8
+#: The queue journal is rewritten whole once it holds this many lines more than twice the queue.
+QUEUE_JOURNAL_SLACK = 10_000
+
 #: Spec used by ``--gpus auto`` when no NVIDIA driver answers.
 SIM_SPEC = "sim:2x24GiB"
 PLACEMENT: Final = "spread"

@@ -44,6 +44,20 @@ class NotFound(GpumgrError):
     status = 404
 
 
+class Forbidden(GpumgrError):
+    """The caller may not do this (a tenant acting for another, or asking above its priority)."""
+
+    code = "forbidden"
+    status = 403
+
+
+class QuotaExceeded(GpumgrError):
+    """The tenant's quota (GPU memory or containers) cannot take the request; the message says which and how much."""
+
+    code = "quota_exceeded"
+    status = 403
+
+
 class NoFit(GpumgrError):
     """No ready GPU has enough schedulable free memory; free some or ask for less."""
 

@@ -29,6 +29,9 @@ class Label(StrEnum):
     TASK = "gpumgr.task"
     SERVICE = "gpumgr.service"
     SLOT = "gpumgr.slot"
+    TENANT = "gpumgr.tenant"
+    PRIORITY = "gpumgr.priority"
+    PREEMPTIBLE = "gpumgr.preemptible"
 
 
 class Env(StrEnum):
@@ -47,6 +50,9 @@ class Env(StrEnum):
     REQUEST_MEMORY = "GPUMGR_REQUEST_MEMORY"
     REQUEST_GPUS = "GPUMGR_REQUEST_GPUS"
     REQUEST_ON_OVERRUN = "GPUMGR_REQUEST_ON_OVERRUN"
+    REQUEST_PRIORITY = "GPUMGR_REQUEST_PRIORITY"
+    REQUEST_PREEMPTIBLE = "GPUMGR_REQUEST_PREEMPTIBLE"
+    REQUEST_QUEUE = "GPUMGR_REQUEST_QUEUE"
     TASK = "GPUMGR_TASK"
     TASK_NAME = "GPUMGR_TASK_NAME"
     SERVICE = "GPUMGR_SERVICE"
@@ -68,12 +74,19 @@ class State(StrEnum):
     KILLED = "killed"
     FAILED = "failed"
     REMOVED = "removed"
+    #: waiting in the manager's queue for room; holds no grant
+    QUEUED = "queued"
+    #: left the queue unplaced when its ``queue_timeout`` ran out
+    EXPIRED = "expired"
+    #: a preemptible container stopped to make room for a queued request of higher priority
+    PREEMPTED = "preempted"
 
 
 #: Environment names gpumgr sets or reads to grant memory: a REST request may not set them itself
 #: (a container asking the runtime hook for a second grant, or claiming one, is refused at the API).
 RESERVED_ENV = frozenset({Env.GRANT, Env.GPU_MEMORY, Env.NODE, Env.ON_OVERRUN, Env.REQUEST_MEMORY,
-                          Env.REQUEST_GPUS, Env.REQUEST_ON_OVERRUN, Env.TASK, Env.TASK_NAME, Env.SERVICE, Env.SLOT})
+                          Env.REQUEST_GPUS, Env.REQUEST_ON_OVERRUN, Env.REQUEST_PRIORITY, Env.REQUEST_PREEMPTIBLE,
+                          Env.REQUEST_QUEUE, Env.TASK, Env.TASK_NAME, Env.SERVICE, Env.SLOT})
 
 #: States that hold a grant.
 LIVE = frozenset({State.CREATING, State.RUNNING})
@@ -94,3 +107,7 @@ class EventType(StrEnum):
     ADOPTED = "adopted"
     NODE_UP = "node_up"
     NODE_DOWN = "node_down"
+    QUEUED = "queued"
+    EXPIRED = "expired"
+    PREEMPTED = "preempted"
+    RESIZED = "resized"

@@ -62,6 +62,8 @@ class ContainerStatus(_Model):
     reason: str | None = None
     usage: dict[str, int] = Field(default_factory=dict)
     finished_at: float | None = None
+    #: the highest usage (summed over its GPUs) its agent ever sampled
+    peak: int = Field(default=0, ge=0)
 
 
 class ContainerReport(ContainerStatus):
@@ -80,6 +82,9 @@ class ContainerReport(ContainerStatus):
     on_overrun: str = "kill"
     created_at: float = 0.0
     hook: bool = False
+    tenant: str = ""
+    priority: int = 0
+    preemptible: bool = False
 
 
 class RefusedAdoption(_Model):
@@ -103,6 +108,11 @@ class ContainerSpec(_Model):
     gpu_memory: int = Field(gt=0)
     on_overrun: str = "kill"
     created_at: float = 0.0
+    #: who it belongs to, its priority and whether it may be preempted: kept on the container, so a
+    #: restarted manager adopts it whole
+    tenant: str = ""
+    priority: int = 0
+    preemptible: bool = False
 
 
 class Join(Message):
@@ -173,6 +183,17 @@ class Remove(Message):
     stop_grace: float = Field(default=defaults.STOP_GRACE, ge=0)
 
 
+class Resize(Message):
+    """Manager → agent: the container holding ``grant`` is now granted ``gpu_memory`` on each GPU; answered by a Reply.
+
+    The enforcer judges it against the new figure from its next sample on.
+    """
+
+    TYPE: ClassVar[str] = "resize"
+    grant: str
+    gpu_memory: int = Field(gt=0)
+
+
 class ContainerEvent(Message):
     """Agent → manager, as it happens: a managed container changed state (exited, killed, removed)."""
 
@@ -200,6 +221,8 @@ class Reserve(Message):
     labels: dict[str, str] = Field(default_factory=dict)
     on_overrun: str | None = None
     node: str = ""
+    priority: int = Field(default=0, ge=-defaults.MAX_PRIORITY, le=defaults.MAX_PRIORITY)
+    preemptible: bool = False
 
 
 class ErrorBody(_Model):

@@ -76,24 +76,31 @@ def state_dir(path: str | Path | None) -> Path:
 
 def write_private(path: Path, data: dict[str, Any]) -> None:
     """Replace ``path`` with ``data`` as JSON, atomically (write, fsync, rename), readable by its owner only."""
-    with _private_copy(path, data) as tmp:
+    with _private_copy(path, json.dumps(data, indent=2, sort_keys=True)) as tmp:
+        os.replace(tmp, path)
+
+
+def write_private_text(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text``, atomically (write, fsync, rename), readable by its owner only."""
+    with _private_copy(path, text) as tmp:
         os.replace(tmp, path)
 
 
 def create_private(path: Path, data: dict[str, Any]) -> dict[str, Any]:
     """Write ``data`` to ``path`` unless it exists; return what the file holds afterwards (ours or the winner's)."""
-    with _private_copy(path, data) as tmp, contextlib.suppress(FileExistsError):
+    with _private_copy(path, json.dumps(data, indent=2, sort_keys=True)) as tmp, \
+            contextlib.suppress(FileExistsError):
         os.link(tmp, path)  # atomic and never replaces: the first creator wins
     return read_private(path)
 
 
 @contextlib.contextmanager
-def _private_copy(path: Path, data: dict[str, Any]) -> Iterator[str]:
-    """``data`` as JSON in a 0600 temporary file beside ``path``, synced to disk; gone afterwards unless renamed."""
+def _private_copy(path: Path, text: str) -> Iterator[str]:
+    """``text`` in a 0600 temporary file beside ``path``, synced to disk; gone afterwards unless renamed."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as out:
-            json.dump(data, out, indent=2, sort_keys=True)
+            out.write(text)
             out.flush()
             os.fsync(out.fileno())
         os.chmod(tmp, 0o600)
