@@ -328,8 +328,8 @@ def _reload(manager: Any, reread: Any) -> None:
     """Re-read the settings and put their tenants in force; a broken file keeps the settings in force."""
     try:
         manager.reload_tenants(reread())
-    except (ValidationError, ValueError, OSError) as exc:
-        log.error("reload refused, the settings in force stay: %s", exc)
+    except Exception as exc:  # a YAML syntax error, a bad field, an unreadable token file: say why, keep serving
+        log.error("reload refused, the settings in force stay: %s", str(exc).replace("\n", " "))
 
 
 def _is_loopback(host: str) -> bool:

@@ -727,9 +727,11 @@ class Cluster:
 
     def containers(self, state: str | None = None, node: str | None = None,
                    principal: Principal | None = None) -> list[Container]:
-        """Records, oldest first, optionally filtered (``principal``: only those it may see)."""
+        """Records, oldest first (queued ones in queue order), optionally filtered (``principal``: those it may see)."""
         with self._lock:
-            return [c for c in self._containers.values()
+            pool = [self._containers[c] for c in self.queue.ids()] if state == State.QUEUED \
+                else self._containers.values()
+            return [c for c in pool
                     if (state is None or c.state == state) and (node is None or c.node == node)
                     and (principal is None or principal.sees(c.tenant))]
 

@@ -18,7 +18,7 @@ from gpumgr.wire import defaults
 from gpumgr.wire.names import Label
 
 LIVE = {"creating", "running"}
-ENDED = {"exited", "killed", "failed", "removed"}
+ENDED = {"exited", "killed", "failed", "removed", "expired", "preempted"}
 #: Engine states in which a container's processes may hold GPU memory.
 ENGINE_ALIVE = {"running", "paused", "restarting"}
 SETTLE = 2 * defaults.HEARTBEAT_INTERVAL
@@ -35,6 +35,17 @@ def violations(manager: Any, docker_client: Any, nodes: set[str]) -> list[str]:
     records = manager.get("/v1/containers").json()["containers"]
     events = manager.get("/v1/events").json()["events"]
     mine = [r for r in records if r["node"] in nodes]
+    # 0. a queued request holds nothing: no GPU, no container; every tenant's count is its records' sum
+    for record in records:
+        if record["state"] == "queued" and (record["gpus"] or record["container_id"] or record["node"]):
+            found.append(f"queued request {record['id']} holds {record['gpus']} / {record['container_id']}")
+    tenants = manager.get("/v1/tenants").json()["tenants"]
+    for tenant in tenants:
+        held = sum(r["gpu_memory"] * r["gpu_count"] for r in records
+                   if r["tenant"] == tenant["name"] and r["state"] in LIVE)
+        if held != tenant["in_use"]["gpu_memory"]:
+            found.append(f"tenant {tenant['name']} shows {tenant['in_use']['gpu_memory']} bytes in use, its live "
+                         f"grants sum to {held}")
     known = {r["container_id"] for r in mine if r["container_id"]}
     # the engine's own list (one call, no per-container inspect that a concurrent removal could race)
     engine = [_Engine(c) for c in docker_client.api.containers(all=True)]
