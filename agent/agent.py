@@ -27,7 +27,7 @@ from gpumgr.agent.identity import Identity
 from gpumgr.agent.meter import Sample, take_sample
 from gpumgr.agent.runtime import ChangeCallback, Managed, Runtime
 from gpumgr.wire import defaults, protocol, security
-from gpumgr.wire.errors import GpumgrError, ProtocolError
+from gpumgr.wire.errors import AgentFailed, GpumgrError, ProtocolError
 from gpumgr.wire.link import Link, LinkHooks, Peer
 
 log = logging.getLogger(__name__)
@@ -167,6 +167,9 @@ class Agent:
         elif isinstance(message, protocol.Reregister):
             log.info("the manager does not know this node (it restarted?): registering again")
             self.registered.clear()
+            # Swarm tasks waiting in the old manager's queue are not in the new one's: their hooks hear it now,
+            # and Swarm starts them again, to queue afresh
+            self.link.fail_peer(MANAGER, AgentFailed("the manager restarted while the task waited in its queue"))
         elif isinstance(message, protocol.Create):
             self._pool.submit(self._answer, envelope.id, self._create, message.spec)
         elif isinstance(message, protocol.Remove):

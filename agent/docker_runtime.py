@@ -218,7 +218,10 @@ class DockerRuntime(Runtime):
             return Reserve(container_id=summary["Id"], gpu_memory=memory, gpus=gpus, labels=labels,
                            name=env.get(Env.TASK_NAME) or str(attrs.get("Name", "")).lstrip("/"),
                            image=str(attrs["Config"].get("Image", "")),
-                           on_overrun=env.get(Env.REQUEST_ON_OVERRUN) or None)
+                           on_overrun=env.get(Env.REQUEST_ON_OVERRUN) or None,
+                           priority=int(env.get(Env.REQUEST_PRIORITY) or 0),
+                           preemptible=_truthy(env.get(Env.REQUEST_PREEMPTIBLE)),
+                           queue=_truthy(env.get(Env.REQUEST_QUEUE)))
         except (KeyError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
             raise InvalidRequest(f"container {request.container_id[:12]} asks for no valid GPU memory: {exc}") from None
 
@@ -450,6 +453,10 @@ class DockerRuntime(Runtime):
                 log.info("container %s ended while the event stream was down", managed.container_id[:12])
                 self._exited(managed, _exit_code(summary) if summary is not None else None)
         log.info("re-listed containers after the event stream came back")
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes")
 
 
 def _label_problem(labels: dict[str, str]) -> str | None:

@@ -78,7 +78,9 @@ class HookRelay:
                 self._answer(conn, envelope.id, error=(exc.code, exc.message))
                 return
             request.node = self.node
-            future = self.link.request_async(MANAGER, request, defaults.HOOK_TIMEOUT)
+            # a queued request is answered when it is placed (or expires just before the hook gives up)
+            wait = defaults.HOOK_QUEUE_WAIT - defaults.HOOK_TIMEOUT if request.queue else defaults.HOOK_TIMEOUT
+            future = self.link.request_async(MANAGER, request, wait)
             future.add_done_callback(lambda done: self._reserved(conn, envelope.id, request, done))
 
     def _reserved(self, conn: HookConnection, hook_msg: str, request: protocol.Reserve,

@@ -232,7 +232,7 @@ class Cluster:
                 record.expires_at = record.queued_at + queue_timeout
             self._containers[record.id] = record
             self._enqueue(record)
-            self._walk(own=record.id, own_deadline=deadline)
+            self._walk(own=record.id, own_deadline=deadline, own_waits=queue)
             if record.state is State.CREATING:
                 return record
             if not queue:
@@ -241,8 +241,9 @@ class Cluster:
                 self._count(record, -1)
                 del self._containers[record.id]
                 raise NoFit(self._why_waiting(spec, ahead) + "; send \"queue\": true to wait for room")
-            self._journaled.add(record.id)
-            self.journal.add(self._journal_entry(record))
+            if not spec.hook:  # a hook's wait lives in its node's open request, which a restart ends
+                self._journaled.add(record.id)
+                self.journal.add(self._journal_entry(record))
             position = self.queue.position(record.id)
             self._event(EventType.QUEUED, f"waits for {format_bytes(spec.memory)} on {spec.count} GPU(s) at "
                         f"position {position} of {len(self.queue)}: {self._why_waiting(spec, (position or 1) - 1)}",
@@ -269,6 +270,16 @@ class Cluster:
                     record = self._containers[cid]
                     if record.container_id == container_id:
                         return record
+        return None
+
+    def queued_for(self, node: str, container_id: str) -> Container | None:
+        """The queued hook request of ``container_id`` on ``node`` (the hook asked again while it waits), if any."""
+        with self._lock:
+            for cid in self.queue.ids():
+                record = self._containers[cid]
+                if record.hook and record.container_id == container_id and record.spec is not None \
+                        and record.spec.node == node:
+                    return record
         return None
 
     def finish(self, cid: str, state: State, *, reason: str | None = None, exit_code: int | None = None,
@@ -376,7 +387,8 @@ class Cluster:
         with self._lock:
             return [self._view(self._containers[c]) for c in self.queue.ids()]
 
-    def _walk(self, own: str | None = None, own_deadline: float = defaults.CREATE_TIMEOUT) -> None:
+    def _walk(self, own: str | None = None, own_deadline: float = defaults.CREATE_TIMEOUT,
+              own_waits: bool = True) -> None:
         """Place queued requests in order while they fit; stop at the first that does not (it waits whole).
 
         A request only its tenant's quota holds back (the quota was lowered), or one pinned to a node
@@ -395,7 +407,8 @@ class Cluster:
             try:
                 slots = place(self._index, Request(spec.memory, spec.count, spec.node, Placement(spec.placement)))
             except NoFit:
-                self._plan_preemption(record, now)
+                if cid != own or own_waits:  # only a request that waits is worth stopping anything for
+                    self._plan_preemption(record, now)
                 return
             except (NoAgents, GpumgrError):
                 return
@@ -424,7 +437,7 @@ class Cluster:
         nodes = [spec.node] if spec.node is not None else list(self._index.by_node)
         best: tuple[int, list[Container]] | None = None
         for name in nodes:
-            options = []
+            options: list[tuple[int, list[Container]]] = []
             for gpu in self._node_gpus(name):
                 if gpu not in self._index:
                     continue
@@ -652,8 +665,8 @@ class Cluster:
             elif delta < 0:
                 over = {g: used for g, used in record.usage.items() if used > memory}
                 if over and not force:
-                    gpu, used = next(iter(over.items()))
-                    raise Conflict(f"container {cid} uses {format_bytes(used)} on GPU {gpu}, more than the "
+                    uuid, used = next(iter(over.items()))
+                    raise Conflict(f"container {cid} uses {format_bytes(used)} on GPU {uuid}, more than the "
                                    f"{format_bytes(memory)} asked for; send \"force\": true to shrink it anyway (its "
                                    f"node then acts on the overrun: {record.on_overrun})", code="below_usage")
             record.resizing = delta != 0

@@ -47,6 +47,9 @@ class Manager:
         self._stopping = threading.Event()
         self._workers = ThreadPoolExecutor(defaults.DISPATCH_WORKERS, thread_name_prefix="dispatch")
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="dispatcher", daemon=True)
+        #: queued hook requests (Swarm tasks waiting in their create): grant id → where the answer goes
+        self._hook_waiters: dict[str, tuple[str, str]] = {}
+        self._waiters_lock = threading.Lock()
 
     def start(self) -> None:
         """Bind the agent link and start placing queued requests as room frees."""
@@ -197,9 +200,44 @@ class Manager:
                 time.sleep(defaults.DISPATCH_TICK)
                 continue
             for record in started:
-                self._workers.submit(self._start_placed, record)
+                if record.hook:
+                    self._answer_hook(record.id, self._grant_reply(record))
+                else:
+                    self._workers.submit(self._start_placed, record)
+            self._settle_hook_waiters()
             for victim in victims:
                 self._workers.submit(self._preempt, victim)
+
+    def _answer_hook(self, grant: str, reply: protocol.Reply) -> None:
+        """Answer the node whose runtime hook waits for queued ``grant`` (sent from the link thread)."""
+        with self._waiters_lock:
+            waiter = self._hook_waiters.pop(grant, None)
+        if waiter is not None:
+            node, reply_to = waiter
+            routing_id = self.cluster.routing_id_of(node)
+            if routing_id is not None:
+                self.link.send(routing_id, reply, reply_to=reply_to)
+
+    def _settle_hook_waiters(self) -> None:
+        """Tell the hooks whose queued requests ended unplaced (expired, withdrawn) why."""
+        with self._waiters_lock:
+            waiting = list(self._hook_waiters)
+        for grant in waiting:
+            try:
+                record = self.cluster.get(grant)
+            except NotFound:
+                record = None
+            if record is None or record.state not in (State.QUEUED, *LIVE):
+                reason = record.reason if record is not None else "its queued request was forgotten"
+                code = str(record.state) if record is not None else "not_found"
+                self._answer_hook(grant, protocol.Reply(ok=False, error=protocol.ErrorBody(
+                    code=code, message=f"gpumgr: the task waited in the queue and left it unplaced: {reason}")))
+
+    @staticmethod
+    def _grant_reply(record: Container) -> protocol.Reply:
+        return protocol.Reply(ok=True, result={"grant": record.id, "gpus": record.gpus, "gpu_memory": record.gpu_memory,
+                                               "on_overrun": record.on_overrun, "priority": record.priority,
+                                               "preemptible": record.preemptible})
 
     def _start_placed(self, record: Container) -> None:
         try:
@@ -251,7 +289,9 @@ class Manager:
             self._on_container_event(node, message)
         elif isinstance(message, protocol.Reserve):
             message.node = node
-            self.link.send(routing_id, self._reserve(message), reply_to=envelope.id)
+            answer = self._reserve(message, envelope.id)
+            if answer is not None:
+                self.link.send(routing_id, answer, reply_to=envelope.id)
         else:
             log.warning("dropped an unexpected %s message from node %s", envelope.type, node)
 
@@ -319,9 +359,18 @@ class Manager:
             self.cluster.finish(record.id, state, reason=report.reason, exit_code=report.exit_code,
                                 detail=event.detail, finished_at=report.finished_at)
 
-    def _reserve(self, request: protocol.Reserve) -> protocol.Reply:
-        """Grant memory on the asking node for a container its runtime hook is creating (a Swarm task)."""
+    def _reserve(self, request: protocol.Reserve, reply_to: str) -> protocol.Reply | None:
+        """Grant memory on the asking node for a container its runtime hook is creating (a Swarm task).
+
+        With ``queue`` a request that does not fit waits in the queue, and the answer (None here) is
+        sent when it is placed, or when it expires just before the hook would give up.
+        """
         record = self.cluster.live_grant_of(request.node, request.container_id)
+        waiting = self.cluster.queued_for(request.node, request.container_id) if request.queue else None
+        if waiting is not None:  # asked again while it waits: the newest question gets the answer
+            with self._waiters_lock:
+                self._hook_waiters[waiting.id] = (request.node, reply_to)
+            return None
         if record is None:
             spec = PlacementSpec(
                 memory=request.gpu_memory, count=request.gpus, placement=self.settings.placement,
@@ -331,14 +380,21 @@ class Manager:
                 preemptible=request.preemptible,
             )
             try:
-                record = self.cluster.reserve(spec, deadline=defaults.HOOK_CONFIRM)
+                record = self.cluster.submit(spec, deadline=defaults.HOOK_CONFIRM, queue=request.queue,
+                                             queue_timeout=defaults.HOOK_QUEUE_TIMEOUT if request.queue else None)
+                if record.state is State.QUEUED:
+                    with self._waiters_lock:
+                        self._hook_waiters[record.id] = (request.node, reply_to)
+                    place = self.cluster.view(record)["queue"] or {}
+                    self.events.record(EventType.QUEUED, f"task {request.name or request.container_id[:12]} is "
+                                       f"pending: queued at position {place.get('position')}", node=request.node,
+                                       container=record.id, **request.labels)
+                    return None
             except GpumgrError as exc:
                 self.events.record(EventType.FAILED, f"task {request.name or request.container_id[:12]} "
                                    f"waits: {exc.message}", node=request.node, container=None, **request.labels)
                 return protocol.Reply(ok=False, error=protocol.ErrorBody(**exc.to_dict()))
-        result = {"grant": record.id, "gpus": record.gpus, "gpu_memory": record.gpu_memory,
-                  "on_overrun": record.on_overrun, "priority": record.priority, "preemptible": record.preemptible}
-        return protocol.Reply(ok=True, result=result)
+        return self._grant_reply(record)
 
     def _send_removals(self, routing_id: bytes, grants: list[str]) -> None:
         for grant in grants:

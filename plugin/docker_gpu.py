@@ -78,10 +78,12 @@ USAGE = """Usage: docker gpu [--manager URL] COMMAND
 
 Commands:
   service create --gpu-memory SIZE [--gpus N] [--on-overrun kill|stop|report]
+                 [--priority N] [--preemptible] [--queue]
                  [docker service create options] IMAGE [CMD]
   service ps SERVICE      each replica: node, GPU, grant, usage, or why it waits
   service rm SERVICE...   (any other 'service' command is passed to 'docker service' unchanged)
-  run --gpu-memory SIZE [--gpus N] [--name NAME] [-e K=V] [-l K=V] [--node NODE] [--placement P] IMAGE [CMD]
+  run --gpu-memory SIZE [--gpus N] [--name NAME] [-e K=V] [-l K=V] [--node NODE] [--placement P]
+      [--priority N] [--preemptible] [--queue [--queue-timeout S]] IMAGE [CMD]
   ps                      containers known to the manager
   nodes                   the machine x GPU map"""
 
@@ -127,7 +129,8 @@ def service(client: Manager, argv: list[str]) -> int:
 
 def service_create(client: Manager, argv: list[str]) -> int:
     """Check the request against the map, then create the service with the task templates added."""
-    ours, passthrough = _take_options(argv, {"--gpu-memory": True, "--gpus": True, "--on-overrun": True})
+    ours, passthrough = _take_options(argv, {"--gpu-memory": True, "--gpus": True, "--on-overrun": True,
+                                             "--priority": True, "--preemptible": False, "--queue": False})
     if "--gpu-memory" not in ours:
         raise PluginError("--gpu-memory is required, e.g. --gpu-memory 6GiB")
     memory, count = _memory(ours["--gpu-memory"]), _count(ours.get("--gpus", "1"))
@@ -139,6 +142,17 @@ def service_create(client: Manager, argv: list[str]) -> int:
         if ours["--on-overrun"] not in ("kill", "stop", "report"):
             raise PluginError("--on-overrun must be kill, stop or report")
         extra.append(f"--env=GPUMGR_REQUEST_ON_OVERRUN={ours['--on-overrun']}")
+    if "--priority" in ours:
+        try:
+            priority = int(ours["--priority"])
+        except ValueError:
+            raise PluginError(f"--priority must be an integer, not {ours['--priority']!r}") from None
+        extra.append(f"--env={Env.REQUEST_PRIORITY}={priority}")
+    if "--preemptible" in ours:
+        extra.append(f"--env={Env.REQUEST_PREEMPTIBLE}=1")
+    if "--queue" in ours:
+        # a replica with no room waits in its create, shown as pending by 'docker gpu service ps'
+        extra.append(f"--env={Env.REQUEST_QUEUE}=1")
     return _docker(["service", "create", *extra, *passthrough])
 
 
@@ -154,7 +168,14 @@ def service_ps(client: Manager, argv: list[str]) -> int:
         live = record and record["state"] in LIVE
         gpu = ",".join(str(g.get("index")) for g in record["gpus"]) if live else "-"
         note = "" if live else (task.get("Error") or (f"grant {record['state']}" if record else ""))
-        rows.append((task["Name"], task["Node"], task["CurrentState"], gpu,
+        state = task["CurrentState"]
+        if record and record["state"] == "queued" and task.get("DesiredState") == "Running":
+            place = record["queue"]
+            state = "Pending (queued for room)"
+            note = (f"queued at position {place['position']} of {place['length']} for "
+                    f"{format_bytes(record['gpu_memory'])} x {record['gpu_count']} GPU(s), "
+                    f"waited {place['waited']:.0f}s")
+        rows.append((task["Name"], task["Node"], state, gpu,
                      format_bytes(record["gpu_memory"]) if live else "-",
                      format_bytes(record["gpu_memory_used"]) if live else "-", note))
     _print_table(rows)
@@ -184,14 +205,26 @@ def run_container(client: Manager, argv: list[str]) -> int:
     parser.add_argument("--node")
     parser.add_argument("--placement", choices=["spread", "binpack"])
     parser.add_argument("--on-overrun", choices=["kill", "stop", "report"])
+    parser.add_argument("--priority", type=int, help="higher is placed first (default and ceiling: your tenant's)")
+    parser.add_argument("--preemptible", action="store_true", help="may be stopped for a queued request of "
+                        "higher priority")
+    parser.add_argument("--queue", action="store_true", help="wait for room instead of failing with no_fit")
+    parser.add_argument("--queue-timeout", type=float, help="seconds to wait in the queue (with --queue)")
     parser.add_argument("image")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     body = {"image": args.image, "command": args.command, "gpu_memory": _memory(args.gpu_memory), "gpus": args.gpus,
             "env": _pairs(args.env), "labels": _pairs(args.label)}
     body.update({k: v for k, v in (("name", args.name), ("node", args.node), ("placement", args.placement),
-                                   ("on_overrun", args.on_overrun)) if v})
+                                   ("on_overrun", args.on_overrun), ("queue_timeout", args.queue_timeout)) if v})
+    body.update({k: v for k, v in (("priority", args.priority),) if v is not None})
+    body.update({k: True for k, v in (("preemptible", args.preemptible), ("queue", args.queue)) if v})
     record = client.call("POST", "/v1/containers", json_body=body)
+    if record["state"] == "queued":
+        place = record["queue"]
+        print(f"{record['id']}  queued at position {place['position']} of {place['length']} for "
+              f"{format_bytes(record['gpu_memory'])}: it starts as soon as room frees ('docker gpu ps' shows it)")
+        return 0
     gpus = ", ".join(f"{g['index']} ({g['uuid']})" for g in record["gpus"])
     print(f"{record['id']}  {record['state']} on {record['node']} GPU {gpus}, {format_bytes(record['gpu_memory'])}"
           f"  container {record['container_id']}")
@@ -200,10 +233,13 @@ def run_container(client: Manager, argv: list[str]) -> int:
 
 def show_containers(client: Manager) -> int:
     """The manager's containers as a table."""
-    rows = [("ID", "NAME", "NODE", "GPU", "GRANT", "USED", "STATE", "REASON")]
+    rows = [("ID", "NAME", "TENANT", "NODE", "GPU", "GRANT", "USED", "PEAK", "STATE", "REASON")]
     for r in client.call("GET", "/v1/containers")["containers"]:
-        rows.append((r["id"], r["name"], r["node"], ",".join(str(g["index"]) for g in r["gpus"]),
-                     format_bytes(r["gpu_memory"]), format_bytes(r["gpu_memory_used"]), r["state"], r["reason"] or ""))
+        state = r["state"] if r["queue"] is None else f"queued #{r['queue']['position']}"
+        rows.append((r["id"], r["name"], r["tenant"] or "-", r["node"] or "-",
+                     ",".join(str(g["index"]) for g in r["gpus"]) or "-", format_bytes(r["gpu_memory"]),
+                     format_bytes(r["gpu_memory_used"]), format_bytes(r["gpu_memory_peak"]), state,
+                     r["reason"] or ""))
     _print_table(rows)
     return 0
 
@@ -229,7 +265,9 @@ def _take_options(argv: list[str], wanted: dict[str, bool]) -> tuple[dict[str, s
     while index < len(argv):
         arg = argv[index]
         name, has_value, value = arg.partition("=")
-        if name in wanted:
+        if name in wanted and not wanted[name]:  # a flag
+            ours[name] = value if has_value else "1"
+        elif name in wanted:
             if not has_value:
                 if index + 1 >= len(argv):
                     raise PluginError(f"{name} needs a value")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,45 @@ def _an_overrunning_replica_is_killed_and_replaced(engine, manager):
     assert record["reason"] == "gpu_memory_exceeded" and record["detail"]["overrun"]["observed"] == 7 * GiB
     wait_for(lambda: grants_match_tasks(engine, manager, 2) and target["Id"] not in
              {c["Id"] for c in engine.containers(SERVICE)}, 60, what="swarm to replace the killed replica")
+
+
+def test_a_replica_that_must_wait_is_pending_in_the_queue_not_a_failed_task_loop(engine, cluster):
+    """Issue "Tenants and a priority queue": ``--queue`` makes a replica wait for room, shown as pending."""
+    manager, _ = cluster
+    hog = docker_gpu(engine, manager, "service", "create", "--detach", "--gpu-memory", "12GiB", "--replicas", "2",
+                     "--name", "hog", "--stop-grace-period", "1s", IMAGE, "sleep", "3600")
+    assert hog.returncode == 0, hog.stderr
+    try:
+        wait_for(lambda: sum(g["memory_reserved"] for g in manager.node("swarm-node")["gpus"]) == 24 * GiB, 60,
+                 what="both GPUs held by the hog")
+        waiter = docker_gpu(engine, manager, "service", "create", "--detach", "--gpu-memory", "6GiB", "--queue",
+                            "--priority", "7", "--preemptible", "--name", "waiter", "--stop-grace-period", "1s",
+                            IMAGE, "sleep", "3600")
+        assert waiter.returncode == 0, waiter.stderr
+
+        def queued() -> dict | None:
+            records = manager.get("/v1/containers", params={"service": "waiter"}).json()["containers"]
+            return next((r for r in records if r["state"] == "queued"), None)
+
+        record = wait_for(queued, 60, what="the replica's request to wait in the queue")
+        assert record["priority"] == 7 and record["preemptible"] and record["queue"]["position"] == 1
+        table = wait_for(lambda: (t := docker_gpu(engine, manager, "service", "ps", "waiter").stdout).count(
+            "Pending (queued for room)") == 1 and t, 30, what="the replica shown as pending")
+        assert "queued at position 1" in table, table
+        time.sleep(3.0)  # no failed-task loop: still one task, still the same request
+        tasks = engine.docker("service", "ps", "--format", "{{.ID}}", "waiter").stdout.split()
+        assert len(tasks) == 1, tasks
+        assert queued() is not None and queued()["id"] == record["id"]
+        engine.docker("service", "scale", "--detach", "hog=1")
+        running = wait_for(lambda: next((r for r in manager.get("/v1/containers", params={"service": "waiter"}).json()[
+            "containers"] if r["state"] == "running"), None), 60, what="the waiting replica to run once room freed")
+        assert running["id"] == record["id"] and running["gpu_memory"] == 6 * GiB
+        container = next(c for c in engine.containers("waiter") if c["State"]["Running"])
+        assert environ(container["State"]["Pid"])["GPUMGR_GRANT"] == record["id"]
+    finally:
+        docker_gpu(engine, manager, "service", "rm", "hog", "waiter")
+    wait_for(lambda: all(g["memory_reserved"] == 0 for g in manager.node("swarm-node")["gpus"]), 30,
+             what="every grant freed after rm")
 
 
 def test_a_plain_docker_run_through_the_hook_is_confirmed_running(engine, cluster):

@@ -335,3 +335,26 @@ def test_sighup_reloads_tenants_and_a_broken_file_keeps_them(stack, test_image):
     wait_for(lambda: alice.call("GET", "/v1/tenants").status_code == 401, 10, what="the old token refused")
     rotated = Client(manager, "alice-rotated-token-0123456789")
     assert rotated.call("GET", "/v1/tenants").json()["tenants"][0]["name"] == "alice"
+
+
+def test_docker_gpu_run_passes_priority_preemptible_and_queue(stack, test_image, monkeypatch, capsys):
+    from gpumgr.plugin import docker_gpu
+
+    manager, _, _ = stack
+    operator, alice, _ = clients(manager)
+    monkeypatch.setenv("GPUMGR_TOKEN", ALICE)
+    blocker = operator.create(test_image, "6GiB").json()["id"]
+    status = docker_gpu.main(["gpu", "--manager", manager.url, "run", "--gpu-memory", "5GiB", "--priority", "4",
+                              "--preemptible", "--queue", "--queue-timeout", "600", test_image, "sleep", "60"])
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "queued at position 1 of 1" in printed, printed
+    record = alice.call("GET", "/v1/containers", params={"state": "queued"}).json()["containers"][0]
+    assert record["priority"] == 4 and record["preemptible"] and record["queue"]["expires_at"] is not None
+    assert docker_gpu.main(["gpu", "--manager", manager.url, "ps"]) == 0
+    assert "queued #1" in capsys.readouterr().out
+    refused = docker_gpu.main(["gpu", "--manager", manager.url, "run", "--gpu-memory", "1GiB", "--priority", "9",
+                               test_image, "true"])
+    assert refused == 1 and "priority_not_allowed" in capsys.readouterr().err
+    operator.call("DELETE", f"/v1/containers/{blocker}")
+    wait_state(alice, record["id"], "running")

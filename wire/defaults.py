@@ -108,6 +108,11 @@ DISPATCH_WORKERS = 8
 #: The queue journal is rewritten whole once it holds this many lines more than twice the queue.
 QUEUE_JOURNAL_SLACK = 10_000
 
+#: A Swarm task created with ``docker gpu service create --queue`` waits in its runtime hook this long at most
+#: for room; its queued request expires a margin earlier, so the hook hears why rather than a timeout.
+HOOK_QUEUE_WAIT = 3600.0
+HOOK_QUEUE_TIMEOUT = HOOK_QUEUE_WAIT - 2 * HOOK_TIMEOUT
+
 #: Spec used by ``--gpus auto`` when no NVIDIA driver answers.
 SIM_SPEC = "sim:2x24GiB"
 PLACEMENT: Final = "spread"

@@ -223,6 +223,8 @@ class Reserve(Message):
     node: str = ""
     priority: int = Field(default=0, ge=-defaults.MAX_PRIORITY, le=defaults.MAX_PRIORITY)
     preemptible: bool = False
+    #: wait in the manager's queue for room (the task's container waits in its create) instead of failing
+    queue: bool = False
 
 
 class ErrorBody(_Model):
