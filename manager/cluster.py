@@ -71,6 +71,8 @@ class Cluster:
         self.wake = threading.Event()
         self._to_start: list[Container] = []
         self._to_preempt: list[Container] = []
+        #: live preemptible grants: preemption is only planned while there are some
+        self._preemptible: set[str] = set()
 
     # --- nodes -------------------------------------------------------------------------------
     def register(self, name: str, routing_id: bytes, runtime: str, gpus: list[GpuInfo],
@@ -219,7 +221,6 @@ class Cluster:
                 self._grant(record)
                 self._event(EventType.PLACED, f"{format_bytes(spec.memory)} on {', '.join(record.gpus)}", record)
                 return record
-            self._check_could_fit(spec)
             if queue and len(self.queue) >= self.queue_max:
                 raise Conflict(f"the queue is full ({self.queue_max} requests wait); try again later",
                                code="queue_full")
@@ -235,6 +236,13 @@ class Cluster:
             self._walk(own=record.id, own_deadline=deadline, own_waits=queue)
             if record.state is State.CREATING:
                 return record
+            try:  # after the walk: a request placed at once needs no such check (it costs a pass over the GPUs)
+                self._check_could_fit(spec)
+            except NoFit:
+                self._leave_queue(record)
+                self._count(record, -1)
+                del self._containers[record.id]
+                raise
             if not queue:
                 ahead = (self.queue.position(record.id) or 1) - 1
                 self._leave_queue(record)
@@ -427,13 +435,15 @@ class Cluster:
         """Choose preemptible containers of lower priority whose grants, once freed, let ``head`` fit.
 
         Per GPU the fewest bytes are taken: the lowest priority first, then the youngest. Nothing is
-        chosen again while containers already chosen for ``head`` are still stopping.
+        chosen again while containers already chosen for ``head`` are still stopping. The comparison is
+        of priorities as asked: aging orders the queue, it gives no right to stop anything.
         """
+        if not self._preemptible:
+            return
         if any(self._containers[v].state in LIVE for v in head.making_room if v in self._containers):
             return
         spec = head.spec
         assert spec is not None
-        effective = self.queue.effective(head.priority, head.queued_at or now, now)
         nodes = [spec.node] if spec.node is not None else list(self._index.by_node)
         best: tuple[int, list[Container]] | None = None
         for name in nodes:
@@ -451,7 +461,7 @@ class Cluster:
                 for victim in candidates:
                     if free >= spec.memory:
                         break
-                    if (victim.preemptible and victim.state is State.RUNNING and victim.priority < effective
+                    if (victim.preemptible and victim.state is State.RUNNING and victim.priority < head.priority
                             and victim.preempted_for is None and not victim.remove_requested):
                         chosen.append(victim)
                         free += victim.gpu_memory
@@ -471,7 +481,7 @@ class Cluster:
             victim.preempted_for = head.id
             self._to_preempt.append(victim)
             self._event(EventType.PREEMPTED, f"stopping preemptible container (priority {victim.priority}) to make "
-                        f"room for queued request {head.id} (priority {effective:.2f})", victim,
+                        f"room for queued request {head.id} (priority {head.priority})", victim,
                         preempted_for=head.id)
 
     def preemption_failed(self, cid: str) -> None:
@@ -880,6 +890,8 @@ class Cluster:
 
     def _grant(self, record: Container) -> None:
         self._map_version += 1
+        if record.preemptible:
+            self._preemptible.add(record.id)
         for uid in record.gpus:
             gpu = self._gpus[uid]
             gpu.reserved += record.gpu_memory
@@ -888,6 +900,7 @@ class Cluster:
 
     def _release(self, record: Container) -> None:
         self._map_version += 1
+        self._preemptible.discard(record.id)
         self.wake.set()
         for uid in record.gpus:
             gpu = self._gpus.get(uid)

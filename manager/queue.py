@@ -162,7 +162,7 @@ class QueueJournal:
             return
         line = (json.dumps(entry, separators=(",", ":")) + "\n").encode()
         with self._lock:
-            if self._fd is None:
-                return
+            if self._fd is None:  # never opened by a restore: start appending to what is there
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
             os.write(self._fd, line)
             self._lines += 1

@@ -200,6 +200,8 @@ class Manager:
                 time.sleep(defaults.DISPATCH_TICK)
                 continue
             for record in started:
+                if record.state is not State.CREATING:
+                    continue  # ended (or confirmed) since the walk that placed it: nothing to start
                 if record.hook:
                     self._answer_hook(record.id, self._grant_reply(record))
                 else:

@@ -1,0 +1,156 @@
+"""Generated tests of the queue's rules on the cluster map: hypothesis drives submits, dispatches, starts,
+ends, withdrawals, resizes and preemptions in any order, and after every step checks that
+
+- every GPU's reserved memory is the sum of the live grants on it and never over what it can grant;
+- a queued request holds nothing, and the queue holds exactly the queued records;
+- after a dispatch the first request in line that is not stepped over does not fit (room never
+  sits idle while a request waits for it);
+- each tenant's counted memory and containers are the sums over its live and queued records, and its
+  live grants never pass its quota;
+- only preemptible containers of lower priority than the request they made room for are preempted.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from gpumgr.manager.cluster import Cluster
+from gpumgr.manager.records import PlacementSpec
+from gpumgr.manager.scheduler import Placement, Request, place
+from gpumgr.manager.tenants import Tenant, TenantBook
+from gpumgr.wire.errors import GpumgrError, NoFit, QuotaExceeded
+from gpumgr.wire.names import LIVE, State
+from gpumgr.wire.protocol import ContainerReport, GpuInfo
+
+U = 1 << 30
+TENANTS = {"t1": Tenant("t1", b"t1" * 8, 12 * U, 4, 5), "t2": Tenant("t2", b"t2" * 8, None, None, 2)}
+
+
+class QueueMachine(RuleBasedStateMachine):
+    @initialize(sizes=st.lists(st.integers(2, 8), min_size=1, max_size=3))
+    def start(self, sizes: list[int]) -> None:
+        self.cluster = Cluster(aging=3600.0)
+        self.cluster.tenants = TenantBook(dict(TENANTS), "operator-token-0000")
+        infos = [GpuInfo(uuid=f"a-g{i}", index=i, name="Sim", memory_total=s * U) for i, s in enumerate(sizes)]
+        self.cluster.register("a", b"a", "docker", infos, [])
+        self.totals = {f"a-g{i}": s * U for i, s in enumerate(sizes)}
+
+    def records(self, *states: State) -> list[str]:
+        return [c.id for c in self.cluster.containers() if c.state in states]
+
+    @rule(memory=st.integers(1, 8), count=st.sampled_from([1, 1, 2]), queue=st.booleans(),
+          priority=st.integers(0, 5), preemptible=st.booleans(), tenant=st.sampled_from([None, "t1", "t2"]))
+    def submit(self, memory: int, count: int, queue: bool, priority: int, preemptible: bool,
+               tenant: str | None) -> None:
+        owner = TENANTS.get(tenant) if tenant else None
+        spec = PlacementSpec(memory=memory * U, count=count, placement="spread", image="img", command=[],
+                             priority=min(priority, owner.priority) if owner else priority, preemptible=preemptible)
+        try:
+            record = self.cluster.submit(spec, queue=queue, tenant=owner)
+        except QuotaExceeded:
+            return
+        except (NoFit, GpumgrError):
+            sizes = sorted(self.totals.values(), reverse=True)
+            assert not queue or count > len(sizes) or sizes[count - 1] < memory * U, "a request that could fit"
+            return
+        assert record.state in (State.CREATING, State.QUEUED)
+        assert queue or record.state is State.CREATING
+
+    @rule()
+    def dispatch(self) -> None:
+        started, victims = self.cluster.dispatch()
+        for record in started:
+            assert record.gpus  # placed; it may have been confirmed or ended since the walk that placed it
+        for victim in victims:
+            assert victim.preemptible and victim.preempted_for is not None
+            head = self.cluster.get(victim.preempted_for)
+            assert victim.priority < head.priority, (victim.priority, head.priority)
+            self.cluster.finish(victim.id, State.PREEMPTED)
+        if not victims:
+            self.assert_head_blocked()
+
+    @precondition(lambda self: self.records(State.CREATING))
+    @rule(data=st.data())
+    def confirm(self, data: st.DataObject) -> None:
+        cid = data.draw(st.sampled_from(self.records(State.CREATING)))
+        record = self.cluster.get(cid)
+        self.cluster.started(cid, ContainerReport(grant=cid, container_id=f"c-{cid}", gpus=record.gpus,
+                                                  gpu_memory=record.gpu_memory, state="running"))
+
+    @precondition(lambda self: self.records(State.CREATING, State.RUNNING, State.QUEUED))
+    @rule(data=st.data(), state=st.sampled_from([State.EXITED, State.REMOVED, State.FAILED]))
+    def end(self, data: st.DataObject, state: State) -> None:
+        cid = data.draw(st.sampled_from(self.records(State.CREATING, State.RUNNING, State.QUEUED)))
+        if self.cluster.get(cid).state is State.QUEUED:
+            self.cluster.withdraw(cid)
+            assert self.cluster.get(cid).state is State.REMOVED
+        else:
+            self.cluster.finish(cid, state)
+
+    @precondition(lambda self: self.records(State.RUNNING, State.QUEUED))
+    @rule(data=st.data(), memory=st.integers(1, 8))
+    def resize(self, data: st.DataObject, memory: int) -> None:
+        cid = data.draw(st.sampled_from(self.records(State.RUNNING, State.QUEUED)))
+        record = self.cluster.get(cid)
+        tenant = TENANTS.get(record.tenant) if record.tenant else None
+        try:
+            record, old, needs_node = self.cluster.begin_resize(cid, memory * U, force=True, tenant=tenant)
+        except GpumgrError:
+            return
+        if needs_node:
+            self.cluster.end_resize(cid, old, memory * U, ok=data.draw(st.booleans(), "node took it"))
+
+    def assert_head_blocked(self) -> None:
+        cluster = self.cluster
+        for cid in cluster.queue.ids():
+            record = cluster.get(cid)
+            assert record.spec is not None
+            if not cluster._within_live_quota(record):  # stepped over: only its own quota holds it
+                continue
+            request = Request(record.spec.memory, record.spec.count, None, Placement.SPREAD)
+            try:
+                place(cluster._index, request)
+            except NoFit:
+                return
+            raise AssertionError(f"queued {cid} fits but was left waiting")
+
+    @invariant()
+    def grants_add_up(self) -> None:
+        live = [c for c in self.cluster.containers() if c.state in LIVE]
+        for node in self.cluster.nodes_view():
+            for gpu in node["gpus"]:
+                held = sum(c.gpu_memory for c in live if gpu["uuid"] in c.gpus)
+                assert gpu["memory_reserved"] == held <= self.totals[gpu["uuid"]]
+
+    @invariant()
+    def queued_hold_nothing(self) -> None:
+        queued = self.records(State.QUEUED)
+        assert sorted(queued) == sorted(self.cluster.queue.ids())
+        for cid in queued:
+            record = self.cluster.get(cid)
+            assert not record.gpus and not record.node and record.spec is not None
+
+    @invariant()
+    def tenants_add_up(self) -> None:
+        for name, tenant in TENANTS.items():
+            mine = [c for c in self.cluster.containers() if c.tenant == name and c.state in (*LIVE, State.QUEUED)]
+            use = self.cluster.usage_of(name)
+            assert use.memory == sum(c.gpu_memory * c.count for c in mine)
+            assert use.containers == len(mine)
+            live = sum(c.gpu_memory * c.count for c in mine if c.state in LIVE)
+            assert use.live_memory == live
+            if tenant.gpu_memory is not None:
+                assert use.memory <= tenant.gpu_memory
+
+    @invariant()
+    def only_preemptible_are_preempted(self) -> None:
+        for record in self.cluster.containers(state=State.PREEMPTED):
+            assert record.preemptible and record.preempted_for is not None
+            assert record.priority < self.cluster.get(record.preempted_for).priority
+
+
+QueueMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None, database=None,
+                                          suppress_health_check=[HealthCheck.too_slow])
+test_the_queue_keeps_its_rules = QueueMachine.TestCase
