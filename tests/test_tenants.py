@@ -358,3 +358,29 @@ def test_docker_gpu_run_passes_priority_preemptible_and_queue(stack, test_image,
     assert refused == 1 and "priority_not_allowed" in capsys.readouterr().err
     operator.call("DELETE", f"/v1/containers/{blocker}")
     wait_state(alice, record["id"], "running")
+
+
+def test_a_resize_outlives_an_agent_restart_and_a_request_that_could_never_fit_is_refused(stack, test_image,
+                                                                                          tmp_path, docker_client):
+    manager, agent, _ = stack
+    _, alice, bob = clients(manager)
+    never = bob.create(test_image, "9GiB", queue=True)  # the one GPU holds 8 GiB
+    assert never.status_code == 409 and never.json()["error"]["code"] == "never_fits"
+    assert bob.call("GET", "/v1/containers", params={"state": "queued"}).json()["containers"] == []
+    record = alice.create(test_image, "2GiB", use=GiB).json()
+    cid = record["id"]
+    assert bob.call("GET", "/v1/containers", params={"tenant": "alice"}).json()["containers"] == []
+    assert alice.call("PATCH", f"/v1/containers/{cid}", json={"gpu_memory": "4GiB"}).status_code == 200
+    ups = len(manager.events("node_up"))
+    agent.stop()
+    # the container's labels still say 2 GiB: the restarted agent must enforce the 4 GiB it was told
+    restarted = AgentProc(tmp_path, manager, agent.node, gpus="sim:1x8GiB", state_dir=agent.state_dir, join=False)
+    try:
+        wait_for(lambda: len(manager.events("node_up")) > ups, 20, what="the agent to register again")
+        docker_client.containers.get(record["container_id"]).exec_run(["sh", "-c", f"echo {3 * GiB} > {USAGE}"])
+        wait_for(lambda: alice.record(cid)["gpu_memory_used"] == 3 * GiB, 10, what="3 GiB sampled")
+        time.sleep(1.5)
+        assert alice.record(cid)["state"] == "running" and alice.record(cid)["gpu_memory"] == 4 * GiB
+        settles(manager, docker_client, {"tenant-node"})
+    finally:
+        restarted.stop()
