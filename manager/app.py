@@ -8,7 +8,7 @@ from flask import Flask, Response, g, jsonify, request
 from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException
 
-from gpumgr.manager import api, openapi
+from gpumgr.manager import api, dashboard, openapi
 from gpumgr.manager.service import Manager
 from gpumgr.manager.tenants import TenantBook
 from gpumgr.wire.errors import GpumgrError
@@ -25,6 +25,7 @@ def create_app(manager: Manager, test_config: dict[str, Any] | None = None) -> F
     app.config.update(test_config or {})
     app.extensions["gpumgr.manager"] = manager
     app.register_blueprint(api.bp)
+    app.register_blueprint(dashboard.bp)
     app.add_url_rule("/healthz", "healthz", lambda: healthz(manager))
     app.add_url_rule("/openapi.json", "openapi", lambda: jsonify(openapi.document()))
     app.before_request(lambda: _authorize(manager.tenants))
@@ -50,7 +51,7 @@ def _authorize(tenants: TenantBook) -> tuple[Response, int] | None:
     The operator's token acts as the operator, a tenant's as that tenant (every token is compared in
     constant time). With no token configured at all, every caller is the operator.
     """
-    if request.path in OPEN_PATHS:
+    if request.path in OPEN_PATHS or request.path == "/" or request.path.startswith(dashboard.OPEN_PREFIX):
         return None
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
     found = tenants.identify(given.strip() if scheme.lower() == "bearer" else "\0")
