@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from flask import Flask, Response, g, jsonify, request
 from flask.json.provider import DefaultJSONProvider
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import HTTPException
 
 from gpumgr.manager import api, dashboard, openapi
 from gpumgr.manager.service import Manager
 from gpumgr.manager.tenants import TenantBook
-from gpumgr.wire.errors import GpumgrError
+from gpumgr.wire.errors import Forbidden, GpumgrError
 
 #: Open without the token: liveness, and the API's description (its shape is public, it holds no state).
 OPEN_PATHS = frozenset({"/healthz", "/openapi.json"})
@@ -28,7 +30,10 @@ def create_app(manager: Manager, test_config: dict[str, Any] | None = None) -> F
     app.register_blueprint(dashboard.bp)
     app.add_url_rule("/healthz", "healthz", lambda: healthz(manager))
     app.add_url_rule("/openapi.json", "openapi", lambda: jsonify(openapi.document()))
+    app.add_url_rule("/metrics", "metrics", lambda: metrics(manager))
+    app.before_request(_start_timer)
     app.before_request(lambda: _authorize(manager.tenants))
+    app.after_request(lambda response: _observe(manager, response))
     app.register_error_handler(GpumgrError, _gpumgr_error)
     app.register_error_handler(HTTPException, _http_error)
     return app
@@ -43,6 +48,26 @@ class _UnsortedJson(DefaultJSONProvider):
 def healthz(manager: Manager) -> Response:
     """Liveness plus a short summary: is the manager serving, and how many nodes are ready."""
     return jsonify({"status": "ok", "nodes_ready": manager.cluster.ready_nodes()})
+
+
+def metrics(manager: Manager) -> Response:
+    """``GET /metrics``: the Prometheus text format; the operator's (it shows every tenant's containers)."""
+    if not g.get("principal") or not g.principal.operator:
+        raise Forbidden("/metrics shows every tenant's containers: scrape it with the operator's token")
+    return Response(generate_latest(manager.metrics.registry), content_type=CONTENT_TYPE_LATEST)
+
+
+def _start_timer() -> None:
+    g.started = time.perf_counter()
+
+
+def _observe(manager: Manager, response: Response) -> Response:
+    """Time every request by its URL rule (``/v1/containers/<cid>``), never by its raw path: few series."""
+    started = g.get("started")
+    if started is not None:
+        route = request.url_rule.rule if request.url_rule is not None else "unmatched"
+        manager.metrics.observe(route, request.method, started)
+    return response
 
 
 def _authorize(tenants: TenantBook) -> tuple[Response, int] | None:

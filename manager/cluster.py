@@ -21,7 +21,7 @@ from sortedcontainers import SortedList
 
 from gpumgr.manager.events import EventLog
 from gpumgr.manager.queue import QueueJournal, WaitQueue
-from gpumgr.manager.records import Container, Gpu, Node, PlacementSpec
+from gpumgr.manager.records import Container, Gpu, MetricsSnapshot, Node, PlacementSpec
 from gpumgr.manager.scheduler import FreeIndex, Placement, Request, place
 from gpumgr.manager.tenants import Principal, Tenant, TenantBook, Usage
 from gpumgr.manager.views import container_view, node_view
@@ -73,6 +73,9 @@ class Cluster:
         self._to_preempt: list[Container] = []
         #: live preemptible grants: preemption is only planned while there are some
         self._preemptible: set[str] = set()
+        #: what ``GET /metrics`` counts: kills for overrun per node, placement requests per outcome
+        self._overrun_kills: dict[str, int] = {}
+        self._outcomes: dict[str, int] = {}
 
     # --- nodes -------------------------------------------------------------------------------
     def register(self, name: str, routing_id: bytes, runtime: str, gpus: list[GpuInfo],
@@ -211,52 +214,68 @@ class Cluster:
         priority is not taken by a newcomer, queued or not.
         """
         with self._lock:
-            self._check_quota(tenant, spec.memory * spec.count, 1, live=False)
-            if not queue and not self.queue:  # the common case: nothing waits, place as always
-                record = self._new_record(spec, tenant, deadline)
-                slots = place(self._index, Request(spec.memory, spec.count, spec.node, Placement(spec.placement)))
-                self._assign(record, slots, deadline)
-                self._containers[record.id] = record
-                self._count(record, 1)
-                self._grant(record)
-                self._event(EventType.PLACED, f"{format_bytes(spec.memory)} on {', '.join(record.gpus)}", record)
-                return record
-            if queue and len(self.queue) >= self.queue_max:
-                raise Conflict(f"the queue is full ({self.queue_max} requests wait); try again later",
-                               code="queue_full")
-            if not queue and not self._index.by_node:
-                raise NoAgents("no agent is ready to take containers; start one with 'gpumgr agent'")
-            record = self._new_record(spec, tenant, deadline)
-            record.state, record.spec, record.node, record.deadline = State.QUEUED, spec, "", None
-            record.queued_at = time.time()
-            if queue_timeout is not None:
-                record.expires_at = record.queued_at + queue_timeout
-            self._containers[record.id] = record
-            self._enqueue(record)
-            self._walk(own=record.id, own_deadline=deadline, own_waits=queue)
-            if record.state is State.CREATING:
-                return record
-            try:  # after the walk: a request placed at once needs no such check (it costs a pass over the GPUs)
-                self._check_could_fit(spec)
-            except NoFit:
-                self._leave_queue(record)
-                self._count(record, -1)
-                del self._containers[record.id]
+            try:
+                record = self._submit(spec, deadline, queue, queue_timeout, tenant)
+            except QuotaExceeded:
+                self._outcome("quota_exceeded")
                 raise
-            if not queue:
-                ahead = (self.queue.position(record.id) or 1) - 1
-                self._leave_queue(record)
-                self._count(record, -1)
-                del self._containers[record.id]
-                raise NoFit(self._why_waiting(spec, ahead) + "; send \"queue\": true to wait for room")
-            if not spec.hook:  # a hook's wait lives in its node's open request, which a restart ends
-                self._journaled.add(record.id)
-                self.journal.add(self._journal_entry(record))
-            position = self.queue.position(record.id)
-            self._event(EventType.QUEUED, f"waits for {format_bytes(spec.memory)} on {spec.count} GPU(s) at "
-                        f"position {position} of {len(self.queue)}: {self._why_waiting(spec, (position or 1) - 1)}",
-                        record, position=position)
-        self.journal.sync()
+            except NoFit:
+                self._outcome("no_fit")
+                raise
+            if record.state is State.CREATING:
+                self._outcome("placed")
+        if record.state is State.QUEUED:
+            self.journal.sync()
+        return record
+
+    def _submit(self, spec: PlacementSpec, deadline: float, queue: bool, queue_timeout: float | None,
+                tenant: Tenant | None) -> Container:
+        """The body of :meth:`submit`, under the map's lock."""
+        self._check_quota(tenant, spec.memory * spec.count, 1, live=False)
+        if not queue and not self.queue:  # the common case: nothing waits, place as always
+            record = self._new_record(spec, tenant, deadline)
+            slots = place(self._index, Request(spec.memory, spec.count, spec.node, Placement(spec.placement)))
+            self._assign(record, slots, deadline)
+            self._containers[record.id] = record
+            self._count(record, 1)
+            self._grant(record)
+            self._event(EventType.PLACED, f"{format_bytes(spec.memory)} on {', '.join(record.gpus)}", record)
+            return record
+        if queue and len(self.queue) >= self.queue_max:
+            raise Conflict(f"the queue is full ({self.queue_max} requests wait); try again later",
+                           code="queue_full")
+        if not queue and not self._index.by_node:
+            raise NoAgents("no agent is ready to take containers; start one with 'gpumgr agent'")
+        record = self._new_record(spec, tenant, deadline)
+        record.state, record.spec, record.node, record.deadline = State.QUEUED, spec, "", None
+        record.queued_at = time.time()
+        if queue_timeout is not None:
+            record.expires_at = record.queued_at + queue_timeout
+        self._containers[record.id] = record
+        self._enqueue(record)
+        self._walk(own=record.id, own_deadline=deadline, own_waits=queue)
+        if record.state is State.CREATING:
+            return record
+        try:  # after the walk: a request placed at once needs no such check (it costs a pass over the GPUs)
+            self._check_could_fit(spec)
+        except NoFit:
+            self._leave_queue(record)
+            self._count(record, -1)
+            del self._containers[record.id]
+            raise
+        if not queue:
+            ahead = (self.queue.position(record.id) or 1) - 1
+            self._leave_queue(record)
+            self._count(record, -1)
+            del self._containers[record.id]
+            raise NoFit(self._why_waiting(spec, ahead) + "; send \"queue\": true to wait for room")
+        if not spec.hook:  # a hook's wait lives in its node's open request, which a restart ends
+            self._journaled.add(record.id)
+            self.journal.add(self._journal_entry(record))
+        position = self.queue.position(record.id)
+        self._event(EventType.QUEUED, f"waits for {format_bytes(spec.memory)} on {spec.count} GPU(s) at "
+                    f"position {position} of {len(self.queue)}: {self._why_waiting(spec, (position or 1) - 1)}",
+                    record, position=position)
         return record
 
     def started(self, cid: str, report: ContainerReport) -> Container:
@@ -330,7 +349,34 @@ class Cluster:
 
     def fail(self, cid: str, reason: str) -> Container:
         """Creation failed: free the grant and keep the reason."""
-        return self.finish(cid, State.FAILED, reason=reason)
+        with self._lock:
+            self._outcome("failed")
+            return self.finish(cid, State.FAILED, reason=reason)
+
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        """The map as plain tuples for one ``/metrics`` scrape (the families are built after the lock)."""
+        snap = MetricsSnapshot()
+        with self._lock:
+            for node in self._nodes.values():
+                snap.nodes.append((node.name, node.ready))
+                for gpu in node.gpus:
+                    snap.gpus.append((node.name, gpu.uuid, gpu.index, gpu.name, gpu.total, gpu.used, gpu.reserved,
+                                      gpu.unmanaged, gpu.free))
+                    for cid in gpu.holders:
+                        record = self._containers[cid]
+                        snap.containers.append((node.name, gpu.uuid, cid, record.name, record.tenant or "",
+                                                record.gpu_memory, record.usage.get(gpu.uuid, 0)))
+            snap.overrun_kills = dict(self._overrun_kills)
+            snap.outcomes = dict(self._outcomes)
+            for cid in self.queue.ids():
+                tenant = self._containers[cid].tenant or ""
+                snap.queued[tenant] = snap.queued.get(tenant, 0) + 1
+            for configured in self.tenants.all() if self.tenants is not None else []:
+                snap.queued.setdefault(configured.name, 0)
+        return snap
+
+    def _outcome(self, outcome: str) -> None:
+        self._outcomes[outcome] = self._outcomes.get(outcome, 0) + 1
 
     # --- the queue ---------------------------------------------------------------------------
     def dispatch(self) -> tuple[list[Container], list[Container]]:
@@ -426,6 +472,8 @@ class Cluster:
             self._count_placed(record)
             self._grant(record)
             waited = now - (record.queued_at or now)
+            if cid != own:
+                self._outcome("placed")
             self._event(EventType.PLACED, f"{format_bytes(record.gpu_memory)} on {', '.join(record.gpus)}"
                         + (f" after waiting {waited:.1f}s in the queue" if cid != own else ""), record)
             if cid != own:
@@ -931,6 +979,8 @@ class Cluster:
                                               f" of higher priority")
             detail = {**detail, "preempted_for": record.preempted_for}
         record.state, record.deadline = state, None
+        if state is State.KILLED and ("overrun" in record.detail or "overrun" in detail):
+            self._overrun_kills[record.node] = self._overrun_kills.get(record.node, 0) + 1
         record.exit_code = exit_code if exit_code is not None else record.exit_code
         record.reason = reason or record.reason or _default_reason(state, record.exit_code)
         record.detail.update(detail)

@@ -92,6 +92,22 @@ class Container:
         return self.spec.count if self.spec is not None and not self.gpus else len(self.gpus)
 
 
+@dataclass
+class MetricsSnapshot:
+    """The map as plain tuples, copied under its lock once per ``/metrics`` scrape."""
+
+    #: (node, uuid, index, model, total, used, reserved, unmanaged, free)
+    gpus: list[tuple[str, str, int, str, int, int, int, int, int]] = field(default_factory=list)
+    #: (node, gpu uuid, grant id, name, tenant, granted bytes, used bytes): one per container per GPU
+    containers: list[tuple[str, str, str, str, str, int, int]] = field(default_factory=list)
+    #: (node, ready)
+    nodes: list[tuple[str, bool]] = field(default_factory=list)
+    overrun_kills: dict[str, int] = field(default_factory=dict)
+    outcomes: dict[str, int] = field(default_factory=dict)
+    #: tenant ("" for the operator) -> requests waiting
+    queued: dict[str, int] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class PlacementSpec:
     """A validated request to run a container (see the REST API)."""

@@ -13,6 +13,7 @@ from gpumgr.manager.cluster import Cluster
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.events import EventLog
 from gpumgr.manager.link import ManagerLink
+from gpumgr.manager.metrics import Metrics
 from gpumgr.manager.records import Container, PlacementSpec
 from gpumgr.manager.tenants import OPERATOR, Principal, Tenant, TenantBook, build_tenants
 from gpumgr.wire import defaults, protocol
@@ -36,6 +37,7 @@ class Manager:
                                forget_after=settings.forget_after, aging=settings.queue_aging,
                                state_dir=str(self.admission.folder))
         self.cluster.tenants = self.tenants
+        self.metrics = Metrics(self.cluster)
         self.cluster.create_deadline = settings.create_timeout + defaults.CREATE_MARGIN
         restored = self.cluster.restore_queue(self.cluster.journal.load())
         if restored:
