@@ -63,8 +63,10 @@ def run(argv: list[str]) -> int:
         return 0
     client = Manager(manager_url)
     command, rest = argv[0], argv[1:]
-    if command == "nodes":
-        return show_nodes(client)
+    if command in ("stats", "nodes"):
+        from gpumgr.plugin import stats  # rich is loaded only for these: the other commands start fast
+
+        return stats.stats(client, rest, PluginError) if command == "stats" else stats.nodes(client, rest)
     if command == "run":
         return run_container(client, rest)
     if command == "ps":
@@ -85,7 +87,10 @@ Commands:
   run --gpu-memory SIZE [--gpus N] [--name NAME] [-e K=V] [-l K=V] [--node NODE] [--placement P]
       [--priority N] [--preemptible] [--queue [--queue-timeout S]] IMAGE [CMD]
   ps                      containers known to the manager
-  nodes                   the machine x GPU map"""
+  stats [-a] [--no-stream] [--format table|json] [CONTAINER...]
+                          GPU memory of live containers (-a: all), refreshed every second until Ctrl-C
+                          like 'docker stats'; --format json prints one JSON array per line each second
+  nodes                   the machine x GPU map, a memory bar per GPU"""
 
 
 class Manager:
@@ -240,18 +245,6 @@ def show_containers(client: Manager) -> int:
                      ",".join(str(g["index"]) for g in r["gpus"]) or "-", format_bytes(r["gpu_memory"]),
                      format_bytes(r["gpu_memory_used"]), format_bytes(r["gpu_memory_peak"]), state,
                      r["reason"] or ""))
-    _print_table(rows)
-    return 0
-
-
-def show_nodes(client: Manager) -> int:
-    """The machine × GPU map as a table."""
-    rows = [("NODE", "STATE", "GPU", "NAME", "TOTAL", "USED", "RESERVED", "FREE", "CONTAINERS")]
-    for node in client.call("GET", "/v1/nodes")["nodes"]:
-        for g in node["gpus"]:
-            rows.append((node["name"], node["state"], str(g["index"]), g["name"], format_bytes(g["memory_total"]),
-                         format_bytes(g["memory_used"]), format_bytes(g["memory_reserved"]),
-                         format_bytes(g["memory_free"]), str(len(g["containers"]))))
     _print_table(rows)
     return 0
 
