@@ -299,6 +299,13 @@ class Cluster:
                         return record
         return None
 
+    def note_peak(self, cid: str, report: ContainerStatus) -> None:
+        """Keep the highest usage its node has sampled (the sample that killed it included)."""
+        with self._lock:
+            record = self._containers.get(cid)
+            if record is not None:
+                record.gpu_memory_peak = max(record.gpu_memory_peak, report.peak, sum(report.usage.values()))
+
     def queued_for(self, node: str, container_id: str) -> Container | None:
         """The queued hook request of ``container_id`` on ``node`` (the hook asked again while it waits), if any."""
         with self._lock:
@@ -1026,6 +1033,8 @@ class Cluster:
                     removals.append(record.id)
             elif record.state in (State.FAILED, State.REMOVED) and report.state in LIVE:
                 removals.append(report.grant)
+            else:
+                record.gpu_memory_peak = max(record.gpu_memory_peak, report.peak)
         holders = {cid for gpu in node.gpus for cid in gpu.holders if cid not in seen}
         for record in [self._containers[cid] for cid in sorted(holders)]:
             if record.state is State.RUNNING:

@@ -353,6 +353,7 @@ class Manager:
         if record.node != node:
             log.warning("dropped an event from node %s about grant %s of node %s", node, record.id, record.node)
             return
+        self.cluster.note_peak(record.id, report)
         overrun = event.detail.get("overrun")
         if isinstance(overrun, dict):
             self.cluster.overrun(record.id, overrun)
@@ -360,8 +361,10 @@ class Manager:
             self.cluster.started(record.id, report)
         elif report.state in (State.EXITED, State.KILLED):
             state = State.KILLED if report.state == State.KILLED else State.EXITED
+            # the overrun that killed it is on record already, under "overrun": do not repeat its keys at the top
+            detail = {} if "overrun" in record.detail else event.detail
             self.cluster.finish(record.id, state, reason=report.reason, exit_code=report.exit_code,
-                                detail=event.detail, finished_at=report.finished_at)
+                                detail=detail, finished_at=report.finished_at)
 
     def _reserve(self, request: protocol.Reserve, reply_to: str) -> protocol.Reply | None:
         """Grant memory on the asking node for a container its runtime hook is creating (a Swarm task).

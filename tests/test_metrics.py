@@ -67,8 +67,11 @@ def test_metrics_show_the_map_the_grants_the_outcomes_and_the_api(stack, test_im
     assert alice.post(manager.url + "/v1/containers", json=job(test_image, "4GiB", 0), timeout=30).status_code == 403
     assert manager.post("/v1/containers", json=job(test_image, "30GiB", 0)).status_code == 409
     killed = manager.post("/v1/containers", json=job(test_image, "1GiB", 2 * GiB)).json()
-    wait_for(lambda: manager.get(f"/v1/containers/{killed['id']}").json()["state"] == "killed", 15,
-             what="the overrunning container killed")
+    ended = wait_for(lambda: (r := manager.get(f"/v1/containers/{killed['id']}").json())["state"] == "killed" and r,
+                     15, what="the overrunning container killed")
+    # the sample that killed it counts toward its peak, and the overrun is told once, under "overrun"
+    assert ended["gpu_memory_peak"] == 2 * GiB and ended["detail"]["overrun"]["observed"] == 2 * GiB
+    assert set(ended["detail"]) == {"overrun"}, ended["detail"]
     wait_for(lambda: manager.get(f"/v1/containers/{placed['id']}").json()["gpu_memory_used"] == GiB, 10,
              what="usage sampled")
 
