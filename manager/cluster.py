@@ -1000,7 +1000,11 @@ class Cluster:
         kind = _FINAL_EVENTS.get(record.state, EventType.EXITED)
         text = f"{record.state}: {record.reason}"
         text += f" (exit {record.exit_code})" if record.exit_code is not None else ""
-        extra = {k: v for k, v in record.detail.items() if k not in _EVENT_KEYS}
+        # the final event carries the overrun that ended it flat (reason, observed, grant_bytes, gpu, ...)
+        overrun = record.detail.get("overrun")
+        flat = {**{k: v for k, v in record.detail.items() if k != "overrun"},
+                **(overrun if isinstance(overrun, dict) else {})}
+        extra = {k: v for k, v in flat.items() if k not in _EVENT_KEYS}
         self._event(kind, text, record, final=True, **extra)
 
     def _forget_oldest(self) -> None:
