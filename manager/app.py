@@ -46,8 +46,9 @@ class _UnsortedJson(DefaultJSONProvider):
 
 
 def healthz(manager: Manager) -> Response:
-    """Liveness plus a short summary: is the manager serving, and how many nodes are ready."""
-    return jsonify({"status": "ok", "nodes_ready": manager.cluster.ready_nodes()})
+    """Liveness plus a short summary: is the manager serving, how many nodes are ready, does the API want a token."""
+    return jsonify({"status": "ok", "nodes_ready": manager.cluster.ready_nodes(),
+                    "token_required": not manager.tenants.open})
 
 
 def metrics(manager: Manager) -> Response:

@@ -205,6 +205,7 @@ class Health(_Shape):
 
     status: Literal["ok"]
     nodes_ready: int
+    token_required: bool = Field(description="whether the API answers only with a bearer token")
 
 
 RESPONSES: tuple[type[BaseModel], ...] = (Error, ContainerRecord, ContainerList, NodeList, NodeForgotten,

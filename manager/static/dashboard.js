@@ -437,7 +437,7 @@
       state.events = [];
       state.lastEventId = 0;
       render();
-      poll(); // a manager with a token answers 401 and the form comes back
+      begin(); // a manager with a token gets the form back, asked of /healthz
     });
     setInterval(() => {
       renderTimes();
@@ -445,6 +445,25 @@
         setStatus("stale: last update " + ago(Date.now() / 1000 - state.lastOk) + " ago", "error");
       }
     }, 1000);
+    begin();
+  }
+
+  // Without a kept token, ask the open /healthz whether the API wants one, and show the form before
+  // any call could be refused: a refused fetch is a console error in the browser.
+  async function begin() {
+    clearTimeout(state.timer);
+    state.timer = null;
+    if (!token()) {
+      try {
+        const health = await (await fetch("/healthz", { cache: "no-store" })).json();
+        if (health && health.token_required) {
+          askForToken(false);
+          return;
+        }
+      } catch (_) {
+        /* the poll below reports an unreachable manager */
+      }
+    }
     poll();
   }
 
