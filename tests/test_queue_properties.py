@@ -154,3 +154,25 @@ class QueueMachine(RuleBasedStateMachine):
 QueueMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None, database=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 test_the_queue_keeps_its_rules = QueueMachine.TestCase
+
+
+def test_a_request_that_does_not_wait_never_preempts_anything() -> None:
+    """Only a queued request is worth stopping a container for: one refused with 409 must leave everything running."""
+    cluster = Cluster(aging=3600.0)
+    cluster.register("a", b"a", "docker", [GpuInfo(uuid="a-g0", index=0, name="Sim", memory_total=8 * U)], [])
+    victim = cluster.submit(PlacementSpec(memory=6 * U, count=1, placement="spread", image="img", command=[],
+                                          preemptible=True))
+    cluster.started(victim.id, ContainerReport(grant=victim.id, container_id="c1", gpus=victim.gpus,
+                                               gpu_memory=6 * U, state="running"))
+    # something waits (for a node that is not here), so the newcomer goes through the queue's walk
+    cluster.submit(PlacementSpec(memory=U, count=1, placement="spread", image="img", command=[], node="elsewhere"),
+                   queue=True)
+    try:
+        cluster.submit(PlacementSpec(memory=4 * U, count=1, placement="spread", image="img", command=[],
+                                     priority=5))
+    except NoFit:
+        pass
+    else:
+        raise AssertionError("4 GiB cannot fit beside 6 GiB on an 8 GiB GPU")
+    _, victims = cluster.dispatch()
+    assert victims == [] and cluster.get(victim.id).preempted_for is None
