@@ -27,7 +27,7 @@ from gpumgr.agent.runtime import (
 )
 from gpumgr.wire import defaults, security
 from gpumgr.wire.errors import InvalidRequest, NotFound, RuntimeFailure
-from gpumgr.wire.names import Env, Label, State
+from gpumgr.wire.names import Env, Label, State, flag_set
 from gpumgr.wire.protocol import ContainerSpec, RefusedAdoption, Reserve
 from gpumgr.wire.units import parse_bytes
 
@@ -220,8 +220,8 @@ class DockerRuntime(Runtime):
                            image=str(attrs["Config"].get("Image", "")),
                            on_overrun=env.get(Env.REQUEST_ON_OVERRUN) or None,
                            priority=int(env.get(Env.REQUEST_PRIORITY) or 0),
-                           preemptible=_truthy(env.get(Env.REQUEST_PREEMPTIBLE)),
-                           queue=_truthy(env.get(Env.REQUEST_QUEUE)))
+                           preemptible=flag_set(env.get(Env.REQUEST_PREEMPTIBLE)),
+                           queue=flag_set(env.get(Env.REQUEST_QUEUE)))
         except (KeyError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
             raise InvalidRequest(f"container {request.container_id[:12]} asks for no valid GPU memory: {exc}") from None
 
@@ -454,9 +454,6 @@ class DockerRuntime(Runtime):
                 self._exited(managed, _exit_code(summary) if summary is not None else None)
         log.info("re-listed containers after the event stream came back")
 
-
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes")
 
 
 def _label_problem(labels: dict[str, str]) -> str | None:

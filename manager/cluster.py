@@ -32,8 +32,7 @@ from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuS
 from gpumgr.wire.units import format_bytes
 
 log = logging.getLogger(__name__)
-#: States in which a record counts against its tenant's quota.
-COUNTED = LIVE | {State.QUEUED}
+
 
 
 class Cluster:
@@ -231,7 +230,7 @@ class Cluster:
     def _submit(self, spec: PlacementSpec, deadline: float, queue: bool, queue_timeout: float | None,
                 tenant: Tenant | None) -> Container:
         """The body of :meth:`submit`, under the map's lock."""
-        self._check_quota(tenant, spec.memory * spec.count, 1, live=False)
+        self._check_quota(tenant, spec.memory * spec.count, 1)
         if not queue and not self.queue:  # the common case: nothing waits, place as always
             record = self._new_record(spec, tenant, deadline)
             slots = place(self._index, Request(spec.memory, spec.count, spec.node, Placement(spec.placement)))
@@ -259,15 +258,11 @@ class Cluster:
         try:  # after the walk: a request placed at once needs no such check (it costs a pass over the GPUs)
             self._check_could_fit(spec)
         except NoFit:
-            self._leave_queue(record)
-            self._count(record, -1)
-            del self._containers[record.id]
+            self._drop_unplaced(record)
             raise
         if not queue:
             ahead = (self.queue.position(record.id) or 1) - 1
-            self._leave_queue(record)
-            self._count(record, -1)
-            del self._containers[record.id]
+            self._drop_unplaced(record)
             raise NoFit(self._why_waiting(spec, ahead) + "; send \"queue\": true to wait for room")
         if not spec.hook:  # a hook's wait lives in its node's open request, which a restart ends
             self._journaled.add(record.id)
@@ -443,11 +438,6 @@ class Cluster:
             self.wake.set()
         return restored
 
-    def queue_view(self) -> list[dict[str, Any]]:
-        """The queue in order, as ``GET /v1/containers?state=queued`` shows each record."""
-        with self._lock:
-            return [self._view(self._containers[c]) for c in self.queue.ids()]
-
     def _walk(self, own: str | None = None, own_deadline: float = defaults.CREATE_TIMEOUT,
               own_waits: bool = True) -> None:
         """Place queued requests in order while they fit; stop at the first that does not (it waits whole).
@@ -474,9 +464,10 @@ class Cluster:
             except (NoAgents, GpumgrError):
                 return
             self._leave_queue(record)
+            self._count(record, -1)  # it stops counting as queued and counts as live from here
             self._assign(record, slots, own_deadline if cid == own else self.create_deadline)
             record.spec = None
-            self._count_placed(record)
+            self._count(record, 1)
             self._grant(record)
             waited = now - (record.queued_at or now)
             if cid != own:
@@ -574,6 +565,12 @@ class Cluster:
             self.journal.remove(record.id)
         self.wake.set()  # the requests behind it may go now
 
+    def _drop_unplaced(self, record: Container) -> None:
+        """Forget a request that was in the queue only for its own walk and is refused: it leaves no record."""
+        self._leave_queue(record)
+        self._count(record, -1)
+        del self._containers[record.id]
+
     def _end_queued(self, record: Container, state: State, reason: str) -> None:
         self._leave_queue(record)
         self._count(record, -1)
@@ -616,16 +613,6 @@ class Cluster:
             use.advance(time.time())
             use.live_memory += sign * total
 
-    def _count_placed(self, record: Container) -> None:
-        if record.tenant is None:
-            return
-        use = self._usage.setdefault(record.tenant, Usage())
-        total = record.gpu_memory * record.count
-        use.queued -= 1
-        use.queued_memory -= total
-        use.advance(time.time())
-        use.live_memory += total
-
     def _count_resized(self, record: Container, delta: int) -> None:
         if record.tenant is None:
             return
@@ -637,13 +624,15 @@ class Cluster:
             use.advance(time.time())
             use.live_memory += delta * record.count
 
-    def _check_quota(self, tenant: Tenant | None, memory: int, containers: int, *, live: bool) -> None:
-        """QuotaExceeded unless ``tenant`` can take ``memory`` more bytes and ``containers`` more containers."""
+    def _check_quota(self, tenant: Tenant | None, memory: int, containers: int) -> None:
+        """QuotaExceeded unless ``tenant`` can take ``memory`` more bytes and ``containers`` more containers.
+
+        Live and queued requests count alike; :meth:`_within_live_quota` checks a queued one at placement.
+        """
         if tenant is None:
             return
         use = self._usage.get(tenant.name) or Usage()
-        held = use.live_memory if live else use.memory
-        count = use.containers - use.queued if live else use.containers
+        held, count = use.memory, use.containers
         if tenant.gpu_memory is not None and held + memory > tenant.gpu_memory:
             never = " (more than the whole quota: it can never be granted)" if memory > tenant.gpu_memory else ""
             raise QuotaExceeded(
@@ -702,7 +691,7 @@ class Cluster:
             if record.state is State.QUEUED:
                 assert record.spec is not None
                 if delta > 0:
-                    self._check_quota(tenant, delta * record.count, 0, live=False)
+                    self._check_quota(tenant, delta * record.count, 0)
                 spec = replace(record.spec, memory=memory)
                 self._check_could_fit(spec)
                 record.spec, record.gpu_memory = spec, memory
@@ -720,7 +709,7 @@ class Cluster:
             if holder is None or not holder.ready:
                 raise NoAgents(f"node {record.node} is down; its containers cannot be resized now")
             if delta > 0:
-                self._check_quota(tenant, delta * record.count, 0, live=False)
+                self._check_quota(tenant, delta * record.count, 0)
                 short = [g for g in record.gpus if self._gpus[g].free < delta]
                 if short:
                     gpu = self._gpus[short[0]]

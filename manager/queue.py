@@ -73,18 +73,12 @@ class WaitQueue:
         """The effective priority of a request of ``priority`` queued at ``queued_at``, at ``now``."""
         return priority + max(0.0, now - queued_at) / self.aging
 
-    def __iter__(self) -> Iterator[str]:
-        return (key[2] for key in list(self._order))
-
-    def ids(self, limit: int | None = None) -> Iterator[str]:
+    def ids(self) -> Iterator[str]:
         """Ids in order without copying the whole list (the caller must not change the queue meanwhile)."""
-        return (key[2] for key in self._order.islice(0, limit))
+        return (key[2] for key in self._order)
 
     def __len__(self) -> int:
         return len(self._order)
-
-    def __contains__(self, cid: object) -> bool:
-        return cid in self._keys
 
 
 class QueueJournal:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from gpumgr.wire import defaults
-from gpumgr.wire.names import Env, Label
+from gpumgr.wire.names import Env, Label, flag_set
 from gpumgr.wire.units import parse_bytes
 
 REQUEST_MEMORY = Env.REQUEST_MEMORY
@@ -98,7 +98,7 @@ def prepare(args: list[str], config: dict[str, Any]) -> bool:
         return False  # not a bundle we can read: the real runtime reports that in its own words
     if REQUEST_MEMORY not in env:
         return False
-    wait = defaults.HOOK_QUEUE_WAIT if _truthy(env.get(Env.REQUEST_QUEUE)) else WAIT_SECONDS
+    wait = defaults.HOOK_QUEUE_WAIT if flag_set(env.get(Env.REQUEST_QUEUE)) else WAIT_SECONDS
     grant = ask_agent(_reserve_message(container_id, env), _socket_path(config), wait)
     env.update(grant["env"])
     spec["process"]["env"] = [f"{k}={v}" for k, v in env.items()]
@@ -106,9 +106,6 @@ def prepare(args: list[str], config: dict[str, Any]) -> bool:
     _write_atomically(spec_path, json.dumps(spec))
     return True
 
-
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes")
 
 
 def ask_agent(request: dict[str, Any], socket_path: str, wait: float = WAIT_SECONDS) -> dict[str, Any]:

@@ -82,6 +82,11 @@ class State(StrEnum):
     PREEMPTED = "preempted"
 
 
+def flag_set(value: str | None) -> bool:
+    """Whether an environment flag such as ``GPUMGR_REQUEST_QUEUE`` is set: ``1``, ``true`` or ``yes``."""
+    return (value or "").strip().lower() in ("1", "true", "yes")
+
+
 #: Environment names gpumgr sets or reads to grant memory: a REST request may not set them itself
 #: (a container asking the runtime hook for a second grant, or claiming one, is refused at the API).
 RESERVED_ENV = frozenset({Env.GRANT, Env.GPU_MEMORY, Env.NODE, Env.ON_OVERRUN, Env.REQUEST_MEMORY,
