@@ -60,12 +60,18 @@ class Client:
         return str(self.record(cid)["state"])
 
 
+def operator_manager(tmp_path: Path, config: Path, **kw: Any) -> ManagerProc:
+    """A manager process on ``config``, its REST helper holding the operator's token."""
+    manager = ManagerProc(tmp_path, "--config", str(config), **kw)
+    manager.http.headers["Authorization"] = f"Bearer {OPERATOR}"
+    return manager
+
+
 @pytest.fixture
 def stack(tmp_path, test_image, cleanup_containers):
     """A manager with tenants alice (10 GiB, 3 containers, priority ≤ 5) and bob, and one agent with one 8 GiB GPU."""
     config = write_config(tmp_path / "manager.yaml")
-    manager = ManagerProc(tmp_path, "--config", str(config), env={"GPUMGR_QUEUE_AGING": "3600"})
-    manager.http.headers["Authorization"] = f"Bearer {OPERATOR}"
+    manager = operator_manager(tmp_path, config, env={"GPUMGR_QUEUE_AGING": "3600"})
     agent = AgentProc(tmp_path, manager, "tenant-node", gpus="sim:1x8GiB")
     yield manager, agent, config
     agent.stop()
@@ -174,8 +180,7 @@ def test_queued_requests_go_by_priority_then_first_come_without_another_call(sta
 
 def test_aging_lets_a_long_wait_pass_newer_higher_priority(tmp_path, test_image, cleanup_containers):
     config = write_config(tmp_path / "manager.yaml")
-    manager = ManagerProc(tmp_path, "--config", str(config), env={"GPUMGR_QUEUE_AGING": "0.5"})
-    manager.http.headers["Authorization"] = f"Bearer {OPERATOR}"
+    manager = operator_manager(tmp_path, config, env={"GPUMGR_QUEUE_AGING": "0.5"})
     agent = AgentProc(tmp_path, manager, "aging-node", gpus="sim:1x8GiB")
     try:
         operator, alice, bob = clients(manager)
@@ -289,8 +294,7 @@ def test_peak_stays_after_usage_falls(stack, test_image, docker_client):
 def test_the_queue_survives_a_manager_kill_and_is_placed_after(tmp_path, test_image, docker_client,
                                                                cleanup_containers):
     config = write_config(tmp_path / "manager.yaml")
-    manager = ManagerProc(tmp_path, "--config", str(config))
-    manager.http.headers["Authorization"] = f"Bearer {OPERATOR}"
+    manager = operator_manager(tmp_path, config)
     agent = AgentProc(tmp_path, manager, "queue-node", gpus="sim:1x8GiB")
     try:
         operator, alice, bob = clients(manager)
@@ -299,9 +303,7 @@ def test_the_queue_survives_a_manager_kill_and_is_placed_after(tmp_path, test_im
         second = bob.create(test_image, "5GiB", queue=True).json()["id"]
         manager.popen.send_signal(signal.SIGKILL)
         manager.popen.wait(10)
-        manager = ManagerProc(tmp_path, "--config", str(config), api_port=manager.api_port,
-                              agent_port=manager.agent_port)
-        manager.http.headers["Authorization"] = f"Bearer {OPERATOR}"
+        manager = operator_manager(tmp_path, config, api_port=manager.api_port, agent_port=manager.agent_port)
         operator, alice, bob = clients(manager)
         assert alice.record(first)["queue"]["position"] == 1 and bob.record(second)["queue"]["position"] == 2
         assert alice.call("GET", "/v1/tenants").json()["tenants"][0]["queued"]["requests"] == 1
