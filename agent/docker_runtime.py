@@ -452,6 +452,12 @@ class DockerRuntime(Runtime):
             if managed.state in (State.RUNNING, State.CREATING) and state not in ("running", "created"):
                 log.info("container %s ended while the event stream was down", managed.container_id[:12])
                 self._exited(managed, _exit_code(summary) if summary is not None else None)
+            elif managed.state == State.CREATING and state == "running":
+                # its start event was missed: it runs, so its grant is enforced and reported running from now
+                with self._lock:
+                    managed.state = State.RUNNING
+                log.info("container %s started while the event stream was down", managed.container_id[:12])
+                self._on_change(managed)
         log.info("re-listed containers after the event stream came back")
 
 
