@@ -77,8 +77,9 @@ class Cluster(MapReads):
         self.queue_max = defaults.QUEUE_MAX
         #: how long a node has to answer a create before the manager stops waiting
         self.create_timeout = defaults.CREATE_TIMEOUT
-        #: placed records whose create (or hook answer) is still to be sent by the dispatcher
-        self._to_start: list[Container] = []
+        #: creates begun by a walk another request caused, and hook records it placed: the dispatcher sends them
+        self._to_send: list[Command] = []
+        self._hooks_placed: list[Container] = []
 
     # --- settings ------------------------------------------------------------------------------
     @property
@@ -92,11 +93,21 @@ class Cluster(MapReads):
 
     @property
     def down_after(self) -> float:
+        """A node silent this long is marked down."""
         return self.reconciler.down_after
+
+    @down_after.setter
+    def down_after(self, seconds: float) -> None:
+        self.reconciler.down_after = seconds
 
     @property
     def forget_after(self) -> float:
+        """A node down this long is dropped from the map."""
         return self.reconciler.forget_after
+
+    @forget_after.setter
+    def forget_after(self, seconds: float) -> None:
+        self.reconciler.forget_after = seconds
 
     def set_timeouts(self, create: float, remove: float) -> None:
         """How long nodes have to answer a create, and a remove or resize."""
@@ -122,11 +133,14 @@ class Cluster(MapReads):
         with self.lock:
             return self.reconciler.forget_node(name, reason)
 
-    def sweep(self) -> tuple[list[str], list[Command]]:
-        """Mark silent nodes down, end what missed its deadline: ``(nodes marked down, commands)``."""
+    def sweep(self, now: float | None = None) -> tuple[list[str], list[Command]]:
+        """Mark silent nodes down, end what missed its deadline: ``(nodes marked down, commands)``.
+
+        ``now`` (monotonic) stands for the clock's reading, to ask what a sweep at another time does.
+        """
         with self.lock:
-            down, commands = self.reconciler.sweep()
-            now = self.clock.monotonic()
+            now = self.clock.monotonic() if now is None else now
+            down, commands = self.reconciler.sweep(now)
             for record in [r for r in self.ledger.records.values() if r.op is not None
                            and now > r.op.deadline + defaults.CREATE_MARGIN]:
                 assert record.op is not None  # an answer the link never delivered: settle it as lost
@@ -147,7 +161,7 @@ class Cluster(MapReads):
 
     # --- placing -------------------------------------------------------------------------------
     def submit(self, spec: PlacementSpec, *, queue: bool = False, queue_timeout: float | None = None,
-               tenant: Tenant | None = None) -> tuple[Container, list[Command]]:
+               tenant: Tenant | None = None, deadline: float = defaults.HOOK_CONFIRM) -> tuple[Container, list[Command]]:
         """Place ``spec`` now (``creating``, with its create command), or with ``queue`` keep it waiting.
 
         The tenant's quotas are checked first (403), then whether the request could ever fit a GPU on
@@ -166,7 +180,7 @@ class Cluster(MapReads):
             commands = []
             if record.state is State.CREATING:
                 self.life.outcome("placed")
-                commands = self._start_commands([record])
+                commands = self._start_commands([record], deadline)
         if record.state is State.QUEUED:
             self.journal.sync()
         return record, commands
@@ -174,9 +188,13 @@ class Cluster(MapReads):
     def _submit(self, spec: PlacementSpec, queue: bool, queue_timeout: float | None,
                 tenant: Tenant | None) -> Container:
         self.quotas.check(tenant, spec.memory * spec.count, 1)
-        self.dispatcher.check_could_fit(spec)
         if not queue and not len(self.queue):  # the common case: nothing waits, place as always
-            slots = place(self.ledger.index, Request(spec.memory, spec.count, spec.node, Placement(spec.placement)))
+            try:
+                slots = place(self.ledger.index, Request(spec.memory, spec.count, spec.node,
+                                                         Placement(spec.placement)))
+            except NoFit:
+                self.dispatcher.check_could_fit(spec)  # never_fits, rather than "no room now", when it never will
+                raise
             record = self._new_record(spec, tenant)
             record.node, record.gpus = slots[0].node, [s.uuid for s in slots]
             self.life.admit(record)
@@ -191,9 +209,14 @@ class Cluster(MapReads):
         if queue_timeout is not None:
             record.expires_mono = self.clock.monotonic() + queue_timeout
         self.life.admit(record)
-        self._to_start += [r for r in self.dispatcher.walk(own=record.id, own_waits=queue) if r is not record]
+        self._placed_by_walk([r for r in self.dispatcher.walk(own=record.id, own_waits=queue) if r is not record])
         if record.state is State.CREATING:
             return record
+        try:
+            self.dispatcher.check_could_fit(spec)
+        except NoFit:
+            self.life.forget(record)
+            raise
         position = self.queue.position(record.id) or 1
         if not queue:
             self.life.forget(record)
@@ -214,12 +237,12 @@ class Cluster(MapReads):
                          tenant=tenant.name if tenant is not None else spec.tenant, priority=spec.priority,
                          preemptible=spec.preemptible)
 
-    def _start_commands(self, placed: list[Container]) -> list[Command]:
-        """Begin the create of each placed record (a hook's waits for its node's report instead)."""
+    def _start_commands(self, placed: list[Container], deadline: float = defaults.HOOK_CONFIRM) -> list[Command]:
+        """Begin the create of each placed record; a hook's waits ``deadline`` seconds for its node's report."""
         commands = []
         for record in placed:
             if record.hook:
-                record.deadline = self.clock.monotonic() + defaults.HOOK_CONFIRM
+                record.deadline = self.clock.monotonic() + deadline
                 continue
             op = self.life.begin(record, OpKind.CREATE, self.create_timeout)
             if op is not None:
@@ -232,13 +255,20 @@ class Cluster(MapReads):
         with self.lock:
             self.dispatcher.expire()
             if len(self.queue):
-                self._to_start += self.dispatcher.walk()
-            placed, self._to_start = [r for r in self._to_start if r.state is State.CREATING], []
-            commands = self._start_commands(placed)
+                self._placed_by_walk(self.dispatcher.walk())
+            commands, self._to_send = self._to_send, []
+            placed, self._hooks_placed = [r for r in self._hooks_placed if r.state is State.CREATING], []
             commands += [c for r in self._victims() if (c := self.reconciler.follow_up(r)) is not None]
             if self.journal.needs_compaction(len(self.queue)):
                 self.journal.rewrite([self.life.journal_entry(self.ledger.records[c]) for c in self.queue.ids()])
-        return commands, [r for r in placed if r.hook]
+        return commands, placed
+
+    def _placed_by_walk(self, placed: list[Container]) -> None:
+        """Records a walk placed for others: their creates begin now (under the lock) and are sent by the dispatcher."""
+        self._to_send += self._start_commands(placed)
+        self._hooks_placed += [r for r in placed if r.hook]
+        if placed:
+            self.wake.set()
 
     def _victims(self) -> list[Container]:
         records = self.ledger.records
@@ -306,7 +336,7 @@ class Cluster(MapReads):
                 self.life.end_op(record, op)
                 self.life.move(record, State.RUNNING)
                 return
-        if reply is not None or not sent:  # refused: nothing was created
+        if reply is not None or not sent or isinstance(lost, NoAgents):  # refused or never delivered: nothing made
             refused = agent_error(record.node, reply.error if reply else None, "could not start the container") \
                 if reply is not None else lost
             self.life.outcome("failed")
@@ -325,15 +355,36 @@ class Cluster(MapReads):
             self.life.move(record, state, reason, exit_code=exit_code, detail=detail, finished_at=finished_at)
             return record
 
-    def started(self, cid: str, report: ContainerReport) -> tuple[Container, list[Command]]:
-        """Its node reports ``cid`` running (a hook grant's container started)."""
+    def started(self, cid: str, report: ContainerReport) -> Container:
+        """Its node reports ``cid`` running (a hook grant's container started); see :meth:`follow_ups`."""
         with self.lock:
             record = self._get(cid)
             record.container_id = report.container_id
-            if record.state is State.CREATING and record.op is None:
+            if record.state is State.CREATING:
+                if record.op is not None and record.op.kind is OpKind.CREATE:
+                    self.life.end_op(record, record.op)
                 self.life.move(record, State.RUNNING)
-            follow = self.reconciler.follow_up(record)
-            return record, [follow] if follow is not None else []
+            return record
+
+    def follow_ups(self, cid: str) -> list[Command]:
+        """What must be sent now to move ``cid`` toward its desired state (a DELETE that waited, say)."""
+        with self.lock:
+            record = self.ledger.records.get(cid)
+            follow = self.reconciler.follow_up(record) if record is not None else None
+            return [follow] if follow is not None else []
+
+    def reserve(self, spec: PlacementSpec, *, tenant: Tenant | None = None,
+                deadline: float = defaults.HOOK_CONFIRM) -> Container:
+        """Place ``spec`` now or raise (no queue); the create command is the caller's to send."""
+        return self.submit(spec, tenant=tenant, deadline=deadline)[0]
+
+    def fail(self, cid: str, reason: str) -> Container:
+        """``cid`` could not be created: it ends ``failed`` and its grant is freed."""
+        with self.lock:
+            self.life.outcome("failed")
+            record = self._get(cid)
+            self.life.move(record, State.FAILED, reason)
+            return record
 
     def overrun(self, cid: str, detail: dict[str, Any]) -> Container:
         """An agent found ``cid`` over its grant and says what it does about it (the grant stays until it exits)."""

@@ -120,7 +120,8 @@ class Inbound:
         if isinstance(overrun, dict):
             self.cluster.overrun(record.id, overrun)
         elif report.state == State.RUNNING and record.state is State.CREATING:
-            self.manager.send(self.cluster.started(record.id, report)[1])
+            self.cluster.started(record.id, report)
+            self.manager.send(self.cluster.follow_ups(record.id))
         elif report.state in (State.EXITED, State.KILLED):
             state = State.KILLED if report.state == State.KILLED else State.EXITED
             # the overrun that killed it is on record already, under "overrun": do not repeat its keys at the top

@@ -173,7 +173,7 @@ class Ledger:
                     held += record.held
             if held != gpu.reserved:
                 found.append(f"GPU {gpu.uuid} shows {gpu.reserved} reserved; its holders hold {held}")
-            if held > gpu.total - gpu.headroom:
+            if held and held > gpu.total - gpu.headroom:
                 found.append(f"GPU {gpu.uuid} is over-granted: {held} of {gpu.total - gpu.headroom}")
         for record in self.records.values():
             if record.state in LIVE:

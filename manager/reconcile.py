@@ -49,14 +49,10 @@ class Reconciler:
         restarted = old is not None and (old.instance != instance if instance or old.instance
                                          else old.routing_id != routing_id)
         quiet = old is not None and old.ready and not restarted
-        if old is not None and not quiet:
+        if old is not None:  # its GPUs leave the free index before their figures change
             self.ledger.set_ready(old, False)
         node = Node(name, routing_id, runtime, [self.ledger.gpu_for(name, info) for info in gpus], key=key,
                     instance=instance, last_seen=self.clock.time(), last_seen_mono=self.clock.monotonic())
-        if old is not None:
-            for gpu in old.gpus:
-                if gpu not in node.gpus:
-                    self.ledger.index.discard(gpu)
         self.ledger.set_node(node)
         self.ledger.set_ready(node, True)
         if not quiet:
@@ -106,9 +102,8 @@ class Reconciler:
         self.life.events.record(EventType.NODE_DOWN, f"node {name} was forgotten", node=name)
         return True
 
-    def sweep(self) -> tuple[list[str], list[Command]]:
+    def sweep(self, now: float) -> tuple[list[str], list[Command]]:
         """Mark silent nodes down, forget long-gone ones, end unconfirmed grants: ``(nodes marked down, commands)``."""
-        now = self.clock.monotonic()
         stale = [n for n in self.ledger.nodes.values() if n.ready and now - n.last_seen_mono > self.down_after]
         for node in stale:
             self.ledger.set_ready(node, False)

@@ -84,5 +84,9 @@ class Resizer:
             self.life.quotas.resized(record, op.old - op.new)
             record.gpu_memory = op.old
             self.ledger.rehold(record, max(op.old, record.enforced))
-        # a lost reply keeps the larger figure held; the next heartbeat says what the node enforces
+        elif not definitive:
+            # a lost reply: its node may enforce either figure; the larger stays held (and is assumed enforced)
+            # until its next heartbeat says which, and the map's figure is sent again
+            record.enforced = max(record.enforced, op.old, op.new)
+            self.ledger.rehold(record, max(record.held, record.enforced))
         self.life.end_op(record, op, error)
