@@ -161,7 +161,8 @@ class Cluster(MapReads):
 
     # --- placing -------------------------------------------------------------------------------
     def submit(self, spec: PlacementSpec, *, queue: bool = False, queue_timeout: float | None = None,
-               tenant: Tenant | None = None, deadline: float = defaults.HOOK_CONFIRM) -> tuple[Container, list[Command]]:
+               tenant: Tenant | None = None,
+               deadline: float = defaults.HOOK_CONFIRM) -> tuple[Container, list[Command]]:
         """Place ``spec`` now (``creating``, with its create command), or with ``queue`` keep it waiting.
 
         The tenant's quotas are checked first (403), then whether the request could ever fit a GPU on
@@ -319,8 +320,8 @@ class Cluster(MapReads):
             else:  # unanswered: its desired state stays; the next heartbeat shows whether it is gone
                 self.life.end_op(record, op, lost)
         else:
-            refused = agent_error(record.node, reply.error, "could not resize the grant") if reply and not ok else None
-            self.resizer.settle(record, op, ok, refused or (None if ok else lost), reply is not None or not sent)
+            said = agent_error(record.node, reply.error, "could not resize the grant") if reply and not ok else None
+            self.resizer.settle(record, op, ok, said or (None if ok else lost), reply is not None or not sent)
         follow = self.reconciler.follow_up(record) if record.state in LIVE else None
         return [follow] if follow is not None else []
 

@@ -178,8 +178,8 @@ class Ledger:
         for record in self.records.values():
             if record.state in LIVE:
                 for uid in record.gpus:
-                    gpu = self.gpus.get(uid)
-                    if gpu is not None and record.id not in gpu.holders:
+                    held_on = self.gpus.get(uid)
+                    if held_on is not None and record.id not in held_on.holders:
                         found.append(f"live record {record.id} is not held on its GPU {uid}")
                 if record.held < record.gpu_memory and record.gpus and all(u in self.gpus for u in record.gpus):
                     found.append(f"live record {record.id} holds {record.held} of its grant {record.gpu_memory}")
