@@ -44,7 +44,8 @@ from gpumgr.wire.units import format_bytes
 log = logging.getLogger(__name__)
 
 #: Agent error codes that are the caller's mistake (a bad image reference, an unknown image, a bad command).
-CALLER_ERRORS = {"invalid_request": InvalidRequest, "image_not_found": NotFound, "bad_command": InvalidRequest}
+CALLER_ERRORS: dict[str, type[GpumgrError]] = {"invalid_request": InvalidRequest, "image_not_found": InvalidRequest,
+                                               "bad_command": InvalidRequest, "conflict": Conflict}
 
 
 def agent_error(node: str, error: protocol.ErrorBody | None, what: str) -> GpumgrError:

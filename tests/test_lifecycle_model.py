@@ -48,6 +48,11 @@ class LifecycleMachine(RuleBasedStateMachine):
     def agent(self, name: str) -> ScriptedAgent:
         return next(a for a in self.agents if a.name == name)
 
+    def drop_requests_to(self, agent: ScriptedAgent) -> None:
+        """Requests sent to a process that is gone are never carried out; their senders hear nothing."""
+        for number in [n for n, h in self.link.held.items() if h.key == agent.key]:
+            self.link.held.pop(number).future.set_exception(lost())
+
     def settle(self) -> None:
         for agent in self.agents:
             if agent.up:
@@ -124,9 +129,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             agent.up = False
             return
         if how == "restart":  # requests to the old process are never carried out
-            for number in [n for n, h in self.link.held.items() if h.key == agent.key]:
-                self.link.held[number].future.set_exception(lost())
-                del self.link.held[number]
+            self.drop_requests_to(agent)
             agent.restart()
         else:
             agent.reconnect()
@@ -150,6 +153,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         except GpumgrError:
             return
         agent.engine.clear()  # its host was rebuilt; it joins again from nothing, and comes back later
+        self.drop_requests_to(agent)
+        agent.restart()
         agent.up = False
         agent._join()
 
