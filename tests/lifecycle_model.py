@@ -99,6 +99,8 @@ class Box:
     gpu_memory: int
     state: str = "running"
     exit_code: int | None = None
+    #: when it ended (the manager's monotonic clock); heartbeats repeat an end for 30 s only, as agents do
+    ended_at: float | None = None
 
 
 class ScriptedAgent:
@@ -148,9 +150,11 @@ class ScriptedAgent:
                                     instance=self.instance))
 
     def heartbeat(self) -> None:
+        now = self.manager.cluster.clock.monotonic()
+        recent = {g for g, b in self.engine.items() if b.ended_at is None or now - b.ended_at <= 30}
         statuses = [protocol.ContainerStatus(grant=r.grant, container_id=r.container_id, state=r.state,
                                              exit_code=r.exit_code, gpu_memory=r.gpu_memory)
-                    for r in self.reports()]
+                    for r in self.reports() if r.grant in recent]
         samples = [protocol.GpuSample(uuid=g.uuid, memory_used=0, memory_unmanaged=0) for g in self.gpus]
         self._say(protocol.Heartbeat(node=self.name, gpus=samples, containers=statuses))
 
@@ -186,7 +190,7 @@ class ScriptedAgent:
     def exit(self, grant: str, code: int) -> None:
         """A container ends by itself; its agent reports the exit."""
         box = self.engine[grant]
-        box.state, box.exit_code = "exited", code
+        box.state, box.exit_code, box.ended_at = "exited", code, self.manager.cluster.clock.monotonic()
         report = protocol.ContainerReport(grant=grant, container_id=f"c-{grant}", gpus=box.gpus,
                                           gpu_memory=box.gpu_memory, state="exited", exit_code=code)
         self._say(protocol.ContainerEvent(node=self.name, container=report))

@@ -271,7 +271,8 @@ def test_a_node_back_after_a_long_absence_reports_exits_with_their_codes(tmp_pat
     agent = world.agents[0]
     world.clock.advance(60)
     world.manager.on_tick()  # marked down
-    agent.engine[cid].state, agent.engine[cid].exit_code = "exited", 3
+    box = agent.engine[cid]
+    box.state, box.exit_code, box.ended_at = "exited", 3, world.clock.mono - 40  # ended while it was away
     agent.heartbeat()  # its first heartbeat back asks for the whole report, which carries the exit
     record = world.cluster.get(cid)
     assert record.state is State.EXITED and record.exit_code == 3
@@ -301,3 +302,54 @@ def test_one_operation_at_a_time(tmp_path):
     assert command is not None and command.kind is OpKind.RESIZE
     with pytest.raises(GpumgrError, match="in flight"):
         world.cluster.begin_resize(cid, 4 * GiB)
+
+
+def test_8_a_reply_over_a_reconnected_socket_resolves_the_request_on_the_real_link(tmp_path):
+    """Real sockets: a request is answered by the same agent key over a new connection (a new routing id)."""
+    import time
+
+    import zmq
+
+    from gpumgr.manager.link import ManagerLink
+    from gpumgr.wire import security
+    from gpumgr.wire.link import Peer
+
+    server, client = security.KeyPair.generate(), security.KeyPair.generate()
+    port = free_port()
+    heard: list[Peer] = []
+    link = ManagerLink(f"tcp://127.0.0.1:{port}", lambda peer, envelope, message: heard.append(peer), server)
+    link.start()
+    context = zmq.Context()
+    try:
+        def dealer() -> zmq.Socket[bytes]:
+            sock = context.socket(zmq.DEALER)
+            security.connect_curve(sock, client, server.public)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            sock.send(protocol.encode(protocol.Heartbeat(node="n", gpus=[])))  # the manager learns its routing id
+            return sock
+
+        first = dealer()
+        wait_for(lambda: heard, 10, what="the first connection heard")
+        future = link.request_async(heard[0].routing_id, protocol.Remove(grant="g"), 10, key=client.public)
+        assert first.poll(10_000), "the request never arrived"
+        envelope, _ = protocol.decode(first.recv())
+        first.close(linger=0)
+        second = dealer()  # the same agent (key) on a new connection answers
+        wait_for(lambda: len(heard) > 1, 10, what="the second connection heard")
+        assert heard[1].routing_id != heard[0].routing_id
+        second.send(protocol.encode(protocol.Reply(ok=True), reply_to=envelope.id))
+        assert future.result(10).ok  # dropped (and a 504) when replies were matched by routing id
+        stranger = context.socket(zmq.DEALER)  # another key may not answer for it
+        security.connect_curve(stranger, security.KeyPair.generate(), server.public)
+        stranger.connect(f"tcp://127.0.0.1:{port}")
+        other = link.request_async(heard[1].routing_id, protocol.Remove(grant="h"), 2, key=client.public)
+        request, _ = protocol.decode(second.recv()) if second.poll(10_000) else (None, None)
+        assert request is not None
+        stranger.send(protocol.encode(protocol.Reply(ok=True), reply_to=request.id))
+        time.sleep(0.5)
+        assert not other.done()
+        second.close(linger=0)
+        stranger.close(linger=0)
+    finally:
+        context.term()
+        link.stop()
