@@ -443,40 +443,6 @@ class Cluster(MapReads):
             record = self._get(cid)
             return record, self.resizer.begin(record, memory, force=force, tenant=tenant)
 
-    # --- hooks ---------------------------------------------------------------------------------
-    def live_grant_of(self, node: str, container_id: str) -> Container | None:
-        """The live record already granted to ``container_id`` on ``node`` (a repeated create), if any."""
-        with self.lock:
-            for gpu in self.ledger.node_gpus(node):
-                for cid in gpu.holders:
-                    record = self.ledger.records[cid]
-                    if record.container_id == container_id:
-                        return record
-        return None
-
-    def queued_for(self, node: str, container_id: str) -> Container | None:
-        """The queued hook request of ``container_id`` on ``node`` (the hook asked again while it waits), if any."""
-        with self.lock:
-            for cid in self.queue.ids():
-                record = self.ledger.records[cid]
-                if record.hook and record.container_id == container_id and record.spec.node == node:
-                    return record
-        return None
-
-    # --- checks --------------------------------------------------------------------------------
-    def check(self) -> list[str]:
-        """The invariant over the model (empty: it holds), with every tenant's count equal to its records' sum."""
-        with self.lock:
-            found = self.ledger.check()
-            held: dict[str, int] = {}
-            for record in self.ledger.records.values():
-                if record.tenant is not None and (record.state in LIVE or record.state is State.QUEUED):
-                    held[record.tenant] = held.get(record.tenant, 0) + record.gpu_memory * record.count
-            for tenant, total in held.items():
-                if self.quotas.usage_of(tenant).memory != total:
-                    found.append(f"tenant {tenant} counts {self.quotas.usage_of(tenant).memory}, its records {total}")
-            return found
-
     def _get(self, cid: str) -> Container:
         record = self.ledger.records.get(cid)
         if record is None:

@@ -89,6 +89,10 @@ class Quotas:
             return False
         return tenant.containers is None or use.containers - use.queued + 1 <= tenant.containers
 
+    def tenants(self) -> list[str]:
+        """Every tenant that ever counted anything."""
+        return list(self._usage)
+
     def usage_of(self, tenant: str) -> Usage:
         """A copy of what ``tenant`` holds now, its integrals brought up to date."""
         use = self._usage.setdefault(tenant, Usage())

@@ -16,7 +16,7 @@ from gpumgr.manager.records import MetricsSnapshot
 from gpumgr.manager.tenants import Principal, Usage
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import NotFound
-from gpumgr.wire.names import State
+from gpumgr.wire.names import LIVE, State
 
 if TYPE_CHECKING:
     from gpumgr.manager.dispatch import Dispatch
@@ -215,3 +215,37 @@ class MapReads:
             for configured in self.quotas.book.all() if self.quotas.book is not None else []:
                 snap.queued.setdefault(configured.name, 0)
         return snap
+
+    # --- hooks ---------------------------------------------------------------------------------
+    def live_grant_of(self, node: str, container_id: str) -> Container | None:
+        """The live record already granted to ``container_id`` on ``node`` (a repeated create), if any."""
+        with self.ledger.lock:
+            for gpu in self.ledger.node_gpus(node):
+                for cid in gpu.holders:
+                    record = self.ledger.records[cid]
+                    if record.container_id == container_id:
+                        return record
+        return None
+
+    def queued_for(self, node: str, container_id: str) -> Container | None:
+        """The queued hook request of ``container_id`` on ``node`` (the hook asked again while it waits), if any."""
+        with self.ledger.lock:
+            for cid in self.life.queue.ids():
+                record = self.ledger.records[cid]
+                if record.hook and record.container_id == container_id and record.spec.node == node:
+                    return record
+        return None
+
+    def check(self) -> list[str]:
+        """The invariant over the model (empty: it holds), with every tenant's count equal to its records' sum."""
+        with self.ledger.lock:
+            found = self.ledger.check()
+            held: dict[str, int] = {}
+            for record in self.ledger.records.values():
+                if record.tenant is not None and (record.state in LIVE or record.state is State.QUEUED):
+                    held[record.tenant] = held.get(record.tenant, 0) + record.gpu_memory * record.count
+            for tenant in set(held) | set(self.quotas.tenants()):
+                counted = self.quotas.usage_of(tenant).memory
+                if counted != held.get(tenant, 0):
+                    found.append(f"tenant {tenant} counts {counted} bytes, its records {held.get(tenant, 0)}")
+            return found
