@@ -23,6 +23,9 @@ ORIGINAL = (b'{ "log-level":"warn",\n\t"runtimes": {"nvidia": {"path": "nvidia-c
             b' "runtimeArgs": []}}}\n')
 NVIDIA_DEFAULT = (b'{"default-runtime": "nvidia",\n "runtimes": {"nvidia": {"path": "nvidia-container-runtime"}},'
                   b' "debug": false}')
+#: What uninstall leaves where install created daemon.json: dockerd keeps its old default on a reload
+#: when the file names none, so the file must name runc (and the runtimes, even none) outright.
+RUNC_EXPLICIT = b'{\n  "default-runtime": "runc",\n  "runtimes": {}\n}\n'
 GRANT_ENV = {"NVIDIA_VISIBLE_DEVICES": "GPU-1111-2222", "GPUMGR_GPU_MEMORY": "1073741824", "GPUMGR_GRANT": "g-1"}
 
 
@@ -90,9 +93,11 @@ def write_daemon(host: Host, data: bytes) -> None:
 
 # --- daemon.json -------------------------------------------------------------------------------------
 
-def test_install_on_an_empty_host_and_uninstall_leaves_nothing(host: Host) -> None:
+def test_install_on_an_empty_host_and_uninstall_leaves_only_the_default_runtime(host: Host) -> None:
     code, out, _ = host.install()
     assert code == 0 and "must reload" in out and "systemctl reload docker" in out
+    assert f"gpumgr plugin install changes {host.daemon}:" in out  # said before it was written
+    assert 'default-runtime: (not set) -> "gpumgr"' in out and "EVERY container this engine creates" in out
     assert host.daemon_json() == {"runtimes": {"gpumgr": {"path": str(host.hook.resolve())}},
                                   "default-runtime": "gpumgr"}
     assert not host.backup.exists()  # there was nothing to back up
@@ -105,11 +110,12 @@ def test_install_on_an_empty_host_and_uninstall_leaves_nothing(host: Host) -> No
     assert json.loads(metadata.stdout)["SchemaVersion"] == "0.1.0"
 
     code, out, _ = host.uninstall()
-    assert code == 0 and "must reload" in out
-    assert host.tree() == {}  # daemon.json (which install created), launchers and settings are gone
+    assert code == 0 and "must reload" in out and 'default-runtime: "gpumgr" -> "runc"' in out
+    # launchers and settings are gone; daemon.json names runc outright, or a reload would keep gpumgr the default
+    assert host.tree() == {"etc-docker/daemon.json": RUNC_EXPLICIT}
 
 
-def test_other_settings_are_kept_and_uninstall_restores_the_file_byte_for_byte(host: Host) -> None:
+def test_other_settings_are_kept_and_uninstall_restores_them_naming_the_default_runtime(host: Host) -> None:
     write_daemon(host, ORIGINAL)
     host.daemon.chmod(0o600)
     assert host.install()[0] == 0
@@ -120,9 +126,10 @@ def test_other_settings_are_kept_and_uninstall_restores_the_file_byte_for_byte(h
     assert stat.S_IMODE(host.daemon.stat().st_mode) == 0o600  # the file's mode is kept
 
     code, out, _ = host.uninstall()
-    assert code == 0 and f"restored {host.daemon}" in out and "must reload" in out
-    assert host.daemon.read_bytes() == ORIGINAL and stat.S_IMODE(host.daemon.stat().st_mode) == 0o600
-    assert host.tree() == {"etc-docker/daemon.json": ORIGINAL}  # the backup went with the rest
+    assert code == 0 and f"put {host.daemon} back as it was before install" in out and "must reload" in out
+    assert host.daemon_json() == {**json.loads(ORIGINAL), "default-runtime": "runc"}
+    assert stat.S_IMODE(host.daemon.stat().st_mode) == 0o600
+    assert set(host.tree()) == {"etc-docker/daemon.json"}  # the backup went with the rest
 
 
 @pytest.mark.parametrize("bad", [b'{"runtimes": {', b"[1, 2]", b'{"runtimes": ["runc"]}', b'{"default-runtime": 1}',
@@ -157,10 +164,10 @@ def test_no_default_runtime_registers_beside_another_default(host: Host) -> None
 
 
 def test_runc_as_the_default_is_replaced_without_force_and_put_back(host: Host) -> None:
-    original = b'{"default-runtime": "runc"}'
+    original = b'{"default-runtime": "runc", "runtimes": {}}'
     write_daemon(host, original)
     assert host.install()[0] == 0 and host.daemon_json()["default-runtime"] == "gpumgr"
-    assert host.uninstall()[0] == 0 and host.daemon.read_bytes() == original
+    assert host.uninstall()[0] == 0 and host.daemon.read_bytes() == original  # it names both: byte for byte
 
 
 def test_uninstall_after_the_file_was_edited_takes_out_only_what_install_added(host: Host) -> None:
@@ -169,7 +176,7 @@ def test_uninstall_after_the_file_was_edited_takes_out_only_what_install_added(h
     edited = {**host.daemon_json(), "debug": True, "max-concurrent-downloads": 5}  # someone's edits since
     host.daemon.write_text(json.dumps(edited))
     code, out, _ = host.uninstall()
-    assert code == 0 and "not as install left it" in out and "'nvidia' the default runtime again" in out
+    assert code == 0 and "not as install left it" in out and 'default-runtime: "gpumgr" -> "nvidia"' in out
     assert host.daemon_json() == {"default-runtime": "nvidia", "debug": True, "max-concurrent-downloads": 5,
                                   "runtimes": {"nvidia": {"path": "nvidia-container-runtime"}}}
     assert host.backup.read_bytes() == NVIDIA_DEFAULT  # kept, to compare with
@@ -190,7 +197,7 @@ def test_reinstall_is_idempotent_and_keeps_the_first_backup(host: Host) -> None:
     assert code == 0 and "must reload" in out and host.backup.read_bytes() == ORIGINAL
     assert host.daemon_json()["runtimes"]["gpumgr"]["path"] == str(Path(moved, "gpumgr-runtime").resolve())
     assert host.uninstall("--bin-dir", moved)[0] == 0
-    assert host.daemon.read_bytes() == ORIGINAL and not Path(moved, "gpumgr-runtime").exists()
+    assert host.daemon_json() == {**json.loads(ORIGINAL), "default-runtime": "runc"} and not Path(moved, "gpumgr-runtime").exists()
 
 
 def test_uninstall_is_idempotent_and_refuses_a_malformed_daemon_json(host: Host) -> None:
