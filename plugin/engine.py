@@ -38,7 +38,7 @@ class EngineView:
 
 
 def engine_view(docker_host: str | None) -> EngineView:
-    """Ask the engine at ``docker_host`` (default: ``DOCKER_HOST`` or the local socket); raise OSError if none answers."""
+    """Ask the engine at ``docker_host`` (default: ``DOCKER_HOST`` or the local socket); OSError if none answers."""
     import docker
 
     try:
@@ -48,8 +48,8 @@ def engine_view(docker_host: str | None) -> EngineView:
         finally:
             client.close()
     except docker.errors.DockerException as exc:
-        raise OSError(f"no Docker engine answers at {docker_host or os.environ.get('DOCKER_HOST') or 'the local socket'}"
-                      f" ({exc})") from exc
+        where = docker_host or os.environ.get("DOCKER_HOST") or "the local socket"
+        raise OSError(f"no Docker engine answers at {where} ({exc})") from exc
     return EngineView(str(info.get("DefaultRuntime", "")), frozenset(info.get("Runtimes") or {}))
 
 
@@ -85,8 +85,9 @@ def reload_and_check(pidfile: Path, docker_host: str | None, default_runtime: st
         if time.monotonic() > deadline:
             break
         time.sleep(RELOAD_POLL)
+    wanted = f"default runtime {default_runtime!r}, {'with' if present else 'without'} runtime {registered!r}"
     return False, (f"reloaded dockerd, but after {RELOAD_WAIT:.0f} s it still reports default runtime "
-                   f"{view.default_runtime!r} and runtimes {sorted(view.runtimes)}, not {default_runtime!r}: "
+                   f"{view.default_runtime!r} and runtimes {sorted(view.runtimes)}, not {wanted}: "
                    "restart it (systemctl restart docker) and check with 'gpumgr plugin status'")
 
 

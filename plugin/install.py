@@ -35,11 +35,18 @@ write fails, those already made are undone. The first install that changes ``dae
 its original as ``daemon.json.before-gpumgr``, and the settings file records what the install did
 (whether it created ``daemon.json``, the default runtime it replaced, a digest of what it wrote).
 
-``uninstall`` undoes it: if ``daemon.json`` is still exactly what install wrote, it is restored
-byte for byte from the backup (or removed, if install created it); if it was edited since, only
-gpumgr's runtime is taken out and the replaced default runtime put back, and the edits are kept.
-Then the launchers (only those install wrote) and the settings file are removed. Running it again
-does nothing.
+``install`` prints each daemon.json setting it changes before it writes: it makes gpumgr-runtime the
+default runtime of every container the engine creates. ``uninstall`` undoes it: if ``daemon.json`` is
+still exactly what install wrote, it is put back from the backup (or, if install created it, left
+naming only runc); if it was edited since, only gpumgr's runtime is taken out and the replaced
+default runtime put back, and the edits are kept. Either way it names ``default-runtime`` and
+``runtimes`` outright (:mod:`gpumgr.plugin.daemon_config` says why). Then the launchers (only those
+install wrote) and the settings file are removed. Running it again does nothing. ``--reload``
+signals dockerd and checks with it that it took the file (:mod:`gpumgr.plugin.engine`); ``--dry-run``
+prints what would change.
+
+A launcher whose Python has gone (its virtual environment moved or deleted) exits with status 127 and
+says which, as does one whose Python no longer has gpumgr; ``gpumgr plugin status`` finds both.
 """
 
 from __future__ import annotations
@@ -54,15 +61,25 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gpumgr.plugin.daemon_config import (
+    RUNTIME_NAME,
+    Refused,
+    announce,
+    backup_default,
+    default_of,
+    dump,
+    explicit,
+    parse_daemon_json,
+    strip,
+)
 from gpumgr.plugin.docker_gpu import METADATA
-from gpumgr.plugin.engine import ENGINE_DEFAULT_RUNTIME, reload_and_check
+from gpumgr.plugin.engine import reload_and_check
 from gpumgr.plugin.engine import status as engine_status
 from gpumgr.plugin.files import Change, apply, mode_of, read_bytes, sha256_of
 from gpumgr.plugin.hook import CONFIG as RUNTIME_CONFIG
 from gpumgr.plugin.hook import DEFAULT_SOCKET, REQUEST_MEMORY, RUNTIME_CANDIDATES, SEARCH_PATH
 from gpumgr.wire.names import Env
 
-RUNTIME_NAME = "gpumgr"
 PACKAGE = "gpumgr"
 PLAIN_RUNTIME = "runc"
 #: The first line after ``#!``: uninstall removes only launchers that carry it.
@@ -131,10 +148,6 @@ if [ "$command" = create ]; then
 fi
 exec "${{{runc_env}:-$plain}}" "$@"
 """
-
-
-class Refused(Exception):
-    """Install or uninstall cannot go ahead as asked; nothing has been written. The message says why."""
 
 
 def add_path_arguments(parser: argparse.ArgumentParser, reload: bool = True) -> None:
@@ -265,7 +278,7 @@ def install(args: argparse.Namespace) -> int:
     if not daemon_changed:
         print(f"{args.daemon_config} already registers runtime {RUNTIME_NAME!r}; nothing to reload")
     elif args.reload:
-        wanted = RUNTIME_NAME if not args.no_default_runtime else _default_of(Path(args.daemon_config))
+        wanted = RUNTIME_NAME if not args.no_default_runtime else default_of(Path(args.daemon_config))
         return _reload_and_report(args, wanted, present=True)
     else:
         print(f"updated {args.daemon_config}: the Docker engine must reload it before Swarm tasks get GPUs.\n"
@@ -288,7 +301,7 @@ def _plan_install(args: argparse.Namespace) -> tuple[list[Change], list[str], bo
     hook = (Path(args.bin_dir) / "gpumgr-runtime").absolute()
     cli = (Path(args.cli_plugins_dir) / "docker-gpu").absolute()
     raw = read_bytes(target)
-    config = _parse_daemon_json(raw, daemon_path)
+    config = parse_daemon_json(raw, daemon_path)
     old_state = _read_state(runtime_config, daemon_path)
     default = not args.no_default_runtime
 
@@ -306,7 +319,7 @@ def _plan_install(args: argparse.Namespace) -> tuple[list[Change], list[str], bo
     if default:
         wanted["default-runtime"] = RUNTIME_NAME
     daemon_changed = wanted != config
-    _announce(daemon_path, config, wanted, "install")
+    announce(daemon_path, config, wanted, "install")
     if default and daemon_changed:
         print(f"  so {hook} becomes the default runtime of EVERY container this engine creates, GPU or not: "
               f"those that ask gpumgr for no GPU memory go straight on to {plain}; 'gpumgr plugin uninstall' "
@@ -324,7 +337,7 @@ def _plan_install(args: argparse.Namespace) -> tuple[list[Change], list[str], bo
     else:  # installed before: keep the first install's backup and record, unless daemon.json was edited since
         state = {"created_daemon_config": bool(old_state.get("created_daemon_config")),
                  "previous_default_runtime": old_state.get("previous_default_runtime")
-                 if old_state else _backup_default(backup)}
+                 if old_state else backup_default(backup)}
         if default and current_default not in (None, RUNTIME_NAME):
             state["previous_default_runtime"] = current_default
         untouched = raw is not None and old_state.get("daemon_config_sha256") == sha256_of(raw)
@@ -381,23 +394,6 @@ def _find_runtime() -> str | None:
     return None
 
 
-def _parse_daemon_json(raw: bytes | None, path: Path) -> dict[str, Any]:
-    """daemon.json as a dict ({} if absent or blank); Refused if it is not what dockerd accepts."""
-    if raw is None or not raw.strip():
-        return {}
-    try:
-        config = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise Refused(f"{path} is not valid JSON ({exc}); fix it first") from exc
-    if not isinstance(config, dict):
-        raise Refused(f"{path} holds a JSON {type(config).__name__}, not an object; fix it first")
-    if not isinstance(config.get("runtimes", {}), dict):
-        raise Refused(f"{path}: 'runtimes' is not an object; fix it first")
-    if not isinstance(config.get("default-runtime", ""), str):
-        raise Refused(f"{path}: 'default-runtime' is not a string; fix it first")
-    return config
-
-
 def _read_state(runtime_config: Path, daemon_path: Path) -> dict[str, Any]:
     """What a former install on ``daemon_path`` recorded in the settings file ({} if nothing usable)."""
     try:
@@ -408,15 +404,6 @@ def _read_state(runtime_config: Path, daemon_path: Path) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("daemon_config") != str(daemon_path):
         return {}
     return state
-
-
-def _backup_default(backup: Path) -> str | None:
-    """The default runtime the backup names, unless it is gpumgr's own (a backup from an older install)."""
-    try:
-        found = _parse_daemon_json(read_bytes(backup), backup).get("default-runtime")
-    except Refused:
-        return None
-    return found if isinstance(found, str) and found != RUNTIME_NAME else None
 
 
 # --- uninstall -------------------------------------------------------------------------------------
@@ -445,7 +432,7 @@ def uninstall(args: argparse.Namespace) -> int:
     if not daemon_changed:
         print(f"{args.daemon_config} was not changed: nothing to reload")
     elif args.reload:
-        return _reload_and_report(args, _default_of(Path(args.daemon_config)), present=False)
+        return _reload_and_report(args, default_of(Path(args.daemon_config)), present=False)
     else:
         print(f"updated {args.daemon_config}: the Docker engine must reload it to stop using gpumgr-runtime.\n"
               "  A reload is enough, no restart: systemctl reload docker   (or: kill -HUP $(pidof dockerd))\n"
@@ -467,16 +454,16 @@ def _plan_uninstall(args: argparse.Namespace) -> tuple[list[Change], list[str], 
     runtime_config = Path(args.runtime_config).absolute()
     state = _read_state(runtime_config, daemon_path)
     raw = read_bytes(target)
-    config = _parse_daemon_json(raw, daemon_path)
+    config = parse_daemon_json(raw, daemon_path)
     changes: list[Change] = []
     notes: list[str] = []
     wanted: dict[str, Any] | None = None
     if raw is not None and state.get("daemon_config_sha256") == sha256_of(raw):  # as install left it
         backup_data = read_bytes(backup)
         if state.get("created_daemon_config") or backup_data is not None:
-            before = {} if state.get("created_daemon_config") else _parse_daemon_json(backup_data, backup)
-            wanted = _explicit(before)
-            data = backup_data if wanted == before and backup_data is not None else _dump(wanted)
+            before = {} if state.get("created_daemon_config") else parse_daemon_json(backup_data, backup)
+            wanted = explicit(before)
+            data = backup_data if wanted == before and backup_data is not None else dump(wanted)
             changes.append(Change(target, data, mode_of(target)))
             if backup_data is not None:
                 changes.append(Change(backup, None))
@@ -485,16 +472,16 @@ def _plan_uninstall(args: argparse.Namespace) -> tuple[list[Change], list[str], 
                 "the runtimes outright so that a reload takes them"))
     if wanted is None and raw is not None and RUNTIME_NAME in (*config.get("runtimes", {}), config.get(
             "default-runtime")):  # edited since install (or no record): take out only gpumgr's
-        previous = state.get("previous_default_runtime") if state else _backup_default(backup)
-        wanted = _strip(config, previous)
-        changes.append(Change(target, _dump(wanted), mode_of(target)))
+        previous = state.get("previous_default_runtime") if state else backup_default(backup)
+        wanted = strip(config, previous)
+        changes.append(Change(target, dump(wanted), mode_of(target)))
         notes.append(f"took runtime {RUNTIME_NAME!r} out of {daemon_path}; it is not as install left it, "
                      "so its other settings are kept")
         if backup.exists():
             notes.append(f"kept {backup} (the file before install) to compare with")
-    daemon_changed = wanted is not None and _dump(wanted) != raw
+    daemon_changed = wanted is not None and dump(wanted) != raw
     if wanted is not None:
-        _announce(daemon_path, config, wanted, "uninstall")
+        announce(daemon_path, config, wanted, "uninstall")
     launchers = {Path(args.bin_dir).absolute() / "gpumgr-runtime", Path(args.cli_plugins_dir).absolute() / "docker-gpu"}
     launchers.update(Path(state[key]) for key in ("hook", "cli_plugin") if isinstance(state.get(key), str))
     for launcher in sorted(launchers):
@@ -513,65 +500,6 @@ def _plan_uninstall(args: argparse.Namespace) -> tuple[list[Change], list[str], 
     return changes, notes, daemon_changed
 
 
-def _strip(config: dict[str, Any], previous_default: str | None) -> dict[str, Any]:
-    """``config`` without gpumgr's runtime, and with the runtime gpumgr replaced as the default again (runc if none).
-
-    Both keys are named outright, ``runtimes`` even when empty (see :func:`_explicit`).
-    """
-    stripped = dict(config)
-    stripped["runtimes"] = {name: value for name, value in config.get("runtimes", {}).items() if name != RUNTIME_NAME}
-    if config.get("default-runtime") == RUNTIME_NAME:
-        stripped["default-runtime"] = previous_default or ENGINE_DEFAULT_RUNTIME
-    return _explicit(stripped)
-
-
-def _explicit(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` naming its default runtime and its runtimes outright, as dockerd's reload needs to take them."""
-    return {**config, "default-runtime": config.get("default-runtime") or ENGINE_DEFAULT_RUNTIME,
-            "runtimes": config.get("runtimes", {})}
-
-
-def _dump(config: dict[str, Any]) -> bytes:
-    return (json.dumps(config, indent=2) + "\n").encode()
-
-
-def _announce(path: Path, before: dict[str, Any], after: dict[str, Any], action: str) -> None:
-    """Print, before anything is written, each setting of daemon.json that ``action`` changes."""
-    lines = describe_changes(before, after)
-    if lines:
-        print(f"gpumgr plugin {action} changes {path}:")
-        for line in lines:
-            print(f"  {line}")
-
-
-def describe_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
-    """One line per top-level setting (and per runtime) that differs between two daemon.json objects."""
-    lines: list[str] = []
-    for key in sorted(before.keys() | after.keys()):
-        old, new = before.get(key), after.get(key)
-        if old == new:
-            continue
-        if key == "runtimes" and isinstance(old or {}, dict) and isinstance(new or {}, dict):
-            old_map, new_map = old or {}, new or {}
-            lines += [f"runtimes.{name}: added ({json.dumps(new_map[name])})" for name in new_map
-                      if name not in old_map]
-            lines += [f"runtimes.{name}: removed" for name in old_map if name not in new_map]
-            lines += [f"runtimes.{name}: {json.dumps(old_map[name])} -> {json.dumps(new_map[name])}"
-                      for name in new_map if name in old_map and old_map[name] != new_map[name]]
-            if not old_map and not new_map:
-                lines.append("runtimes: named outright ({})")
-            continue
-        lines.append(f"{key}: {'(not set)' if old is None else json.dumps(old)} -> "
-                     f"{'(not set)' if new is None else json.dumps(new)}")
-    return lines
-
-
-def _default_of(daemon_path: Path) -> str:
-    """The default runtime daemon.json names now (dockerd's own default when it names none)."""
-    found = _parse_daemon_json(read_bytes(Path(os.path.realpath(daemon_path))), daemon_path).get("default-runtime")
-    return str(found or ENGINE_DEFAULT_RUNTIME)
-
-
 def _reload_and_report(args: argparse.Namespace, default_runtime: str, present: bool) -> int:
     """Reload dockerd and check with it that it took daemon.json; 0 if it did, else 1 and what to do."""
     ok, line = reload_and_check(Path(args.dockerd_pidfile), args.docker_host, default_runtime, RUNTIME_NAME, present)
@@ -581,5 +509,5 @@ def _reload_and_report(args: argparse.Namespace, default_runtime: str, present: 
 
 def status(args: argparse.Namespace) -> int:
     """``gpumgr plugin status``: see :func:`gpumgr.plugin.engine.status`."""
-    return engine_status(args, RUNTIME_NAME, lambda path: _parse_daemon_json(
+    return engine_status(args, RUNTIME_NAME, lambda path: parse_daemon_json(
         read_bytes(Path(os.path.realpath(path))), path))

@@ -1,13 +1,18 @@
-"""``gpumgr plugin install`` / ``uninstall`` on temporary folders: never /etc/docker, never a real engine."""
+"""``gpumgr plugin install`` / ``uninstall`` / ``status`` on temporary folders: never /etc/docker, never a real engine.
+
+The same on a real (private) engine: tests/test_install_engine.py.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -197,7 +202,8 @@ def test_reinstall_is_idempotent_and_keeps_the_first_backup(host: Host) -> None:
     assert code == 0 and "must reload" in out and host.backup.read_bytes() == ORIGINAL
     assert host.daemon_json()["runtimes"]["gpumgr"]["path"] == str(Path(moved, "gpumgr-runtime").resolve())
     assert host.uninstall("--bin-dir", moved)[0] == 0
-    assert host.daemon_json() == {**json.loads(ORIGINAL), "default-runtime": "runc"} and not Path(moved, "gpumgr-runtime").exists()
+    assert host.daemon_json() == {**json.loads(ORIGINAL), "default-runtime": "runc"}
+    assert not Path(moved, "gpumgr-runtime").exists()
 
 
 def test_uninstall_is_idempotent_and_refuses_a_malformed_daemon_json(host: Host) -> None:
@@ -347,3 +353,48 @@ def _fake_agent(path: Path, requests: list[dict[str, Any]]) -> threading.Thread:
 def test_a_runtime_that_is_not_there_is_refused(host: Host) -> None:
     code, _, err = host._run("install", "--runtime", str(host.root / "missing"), "--plain-runtime", str(host.runc))
     assert code != 0 and "no such executable" in err and host.tree() == {}
+
+
+# --- launchers whose Python is gone ------------------------------------------------------------------
+
+def test_launchers_whose_python_is_gone_fail_with_127_and_say_which(
+        host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A virtual environment moved or deleted after install: the launchers say so instead of a bare 'not found'."""
+    gone = host.root / "moved-venv" / "bin" / "python3"
+    monkeypatch.setattr(sys, "executable", str(gone))
+    assert host.install()[0] == 0
+    cli = subprocess.run([str(host.cli), "nodes"], capture_output=True, text=True, timeout=30)
+    assert cli.returncode == 127 and str(gone) in cli.stderr and "gpumgr plugin install" in cli.stderr
+    metadata = subprocess.run([str(host.cli), "docker-cli-plugin-metadata"], capture_output=True, text=True)
+    assert metadata.returncode == 0  # docker asks every plugin for this: it needs no Python
+
+    bundle = _bundle(host.root, ["PATH=/bin", "GPUMGR_REQUEST_MEMORY=1GiB"])
+    log = host.root / "log.json"
+    created = _run_launcher(host, "--root", "/r", "--log", str(log), "create", "--bundle", str(bundle), "c1")
+    assert created.returncode == 127 and str(gone) in created.stderr
+    assert str(gone) in json.loads(log.read_text())["msg"]  # where dockerd reads a runtime's error from
+    assert host.runtime_calls() == []  # the GPU container was not started unpinned
+    plain = _run_launcher(host, "--root", "/r", "--log=" + str(log), "start", "c2")
+    assert plain.returncode == 0 and host.runtime_calls() == ["runc --root /r --log=" + str(log) + " start c2"]
+
+
+def test_status_names_a_launcher_whose_python_is_gone(host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "executable", str(host.root / "gone" / "python3"))
+    assert host.install()[0] == 0
+    monkeypatch.undo()
+    code, out, _ = host._run("status", "--docker-host", "unix:///nonexistent/docker.sock")
+    assert code == 1 and f"runs {host.root / 'gone' / 'python3'} (NOT THERE)" in out
+    assert "no Docker engine answers at unix:///nonexistent/docker.sock" in out
+    assert "3 problem(s)" in out  # two launchers, one engine
+
+
+def test_a_launcher_whose_python_no_longer_has_gpumgr_says_so(host: Host, tmp_path: Path) -> None:
+    """The interpreter is there, gpumgr is not (uninstalled from it): exit 127 naming the missing module."""
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    assert host.install()[0] == 0
+    text = host.cli.read_text().replace(shlex.quote(sys.executable), shlex.quote(str(venv / "bin" / "python")))
+    text = text.replace(str(Path(sys.modules["gpumgr.plugin"].__path__[0])), str(tmp_path / "gone"))
+    host.cli.write_text(text)
+    result = subprocess.run([str(host.cli), "nodes"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 127 and "gpumgr is not installed for this Python" in result.stderr, result.stderr

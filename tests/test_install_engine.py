@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,7 +43,8 @@ def engine_factory(docker_client) -> Iterator[Any]:
 def gpumgr_plugin(engine: PrivateEngine, action: str, *extra: str) -> subprocess.CompletedProcess[str]:
     """``gpumgr plugin ACTION`` with every path inside the engine's own folder."""
     paths = ["--daemon-config", str(engine.daemon_json), "--runtime-config", str(engine.dir / "runtime.json"),
-             "--bin-dir", str(engine.dir / "bin"), "--cli-plugins-dir", str(engine.dir / "docker-config" / "cli-plugins")]
+             "--bin-dir", str(engine.dir / "bin"),
+             "--cli-plugins-dir", str(engine.dir / "docker-config" / "cli-plugins")]
     if action != "status":
         paths += ["--dockerd-pidfile", str(engine.pidfile)]
     return subprocess.run([sys.executable, "-m", "gpumgr", "plugin", action, *paths, "--docker-host", engine.host,
@@ -74,7 +74,8 @@ def test_install_reload_uninstall_reload_leaves_an_engine_that_runs_containers(e
     removed = gpumgr_plugin(engine, "uninstall", "--reload")
     assert removed.returncode == 0, removed.stderr
     assert 'default-runtime: "gpumgr" -> "runc"' in removed.stdout
-    assert "reloaded dockerd: it runs new containers under 'runc' and no longer lists runtime 'gpumgr'" in removed.stdout
+    assert ("reloaded dockerd: it runs new containers under 'runc' and no longer lists runtime 'gpumgr'"
+            in removed.stdout)
     info = engine.info()
     assert info["DefaultRuntime"] == "runc" and "gpumgr" not in info["Runtimes"]
     assert not (engine.dir / "bin" / "gpumgr-runtime").exists()
