@@ -266,6 +266,8 @@ def install(args: argparse.Namespace) -> int:
         print(f"gpumgr plugin install: {exc}; nothing was written", file=sys.stderr)
         return 2
     if args.dry_run:
+        for note in notes:
+            print(f"would have: {note}")
         print("dry run: nothing was written")
         return 0
     try:

@@ -105,6 +105,7 @@ def test_dry_run_changes_nothing_and_status_finds_an_engine_that_did_not_reload(
     dry = gpumgr_plugin(engine, "install", "--dry-run")
     assert dry.returncode == 0 and 'default-runtime: (not set) -> "gpumgr"' in dry.stdout
     assert "nothing was written" in dry.stdout and engine.daemon_json.read_bytes() == before
+    assert "would have: installed the OCI runtime hook" in dry.stdout
     assert not (engine.dir / "bin").exists()
 
     assert gpumgr_plugin(engine, "install").returncode == 0  # no --reload: the engine still runs runc
