@@ -1,4 +1,4 @@
-"""The ``gpumgr`` command: ``manager``, ``agent`` and ``up`` (both on one machine)."""
+"""The ``gpumgr`` command: ``manager``, ``agent`` and ``up`` (both on one machine), and the set-up commands."""
 
 from __future__ import annotations
 
@@ -57,8 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     node_rm.add_argument("--manager-url", help=f"the manager's REST API (default $GPUMGR_MANAGER or {DEFAULT_URL})")
     node_rm.set_defaults(func=run_node_rm_command)
     from gpumgr.plugin.commands import add_plugin_commands
+    from gpumgr.systemd import add_generate_commands
 
     add_plugin_commands(sub)
+    add_generate_commands(sub)
     return parser
 
 
