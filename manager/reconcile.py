@@ -170,7 +170,7 @@ class Reconciler:
                 if isinstance(report, ContainerReport):
                     unknown.append(report)
             elif record.state in LIVE:
-                self._refresh(record, report)
+                self._refresh(record, report, whole=whole)
             elif record.state in (State.FAILED, State.REMOVED, State.EXPIRED, State.PREEMPTED) and \
                     report.state in LIVE:
                 orphans.append(report.grant)
@@ -188,7 +188,7 @@ class Reconciler:
     def _node_records(self, name: str) -> list[Container]:
         return [self.ledger.records[c] for g in self.ledger.node_gpus(name) for c in sorted(g.holders)]
 
-    def _refresh(self, record: Container, report: ContainerStatus) -> None:
+    def _refresh(self, record: Container, report: ContainerStatus, *, whole: bool = False) -> None:
         now = self.clock.monotonic()
         if record.usage_at:
             self.life.quotas.used(record, now - record.usage_at)
@@ -196,11 +196,14 @@ class Reconciler:
         record.usage = dict(report.usage)
         record.gpu_memory_peak = max(record.gpu_memory_peak, report.peak, sum(record.usage.values()))
         record.container_id = report.container_id or record.container_id
-        if record.state is State.CREATING:
+        creating = record.op is not None and record.op.kind is OpKind.CREATE
+        if record.state is State.CREATING and (whole or not creating):
+            # a create in flight is settled by its answer (the container may still fail to start); a
+            # registration, the whole report of a (restarted) agent, shows what exists
             if report.state == State.RUNNING or report.state == REMOVING:
+                if record.op is not None and creating:
+                    self.life.end_op(record, record.op)
                 self.life.move(record, State.RUNNING)
-                if record.op is not None and record.op.kind is OpKind.CREATE:
-                    self.life.end_op(record, record.op)  # the engine shows it running: the create is done
             elif report.state == State.CREATING and record.op is None and record.deadline is not None:
                 record.deadline = max(record.deadline, now + defaults.TASK_START_TIMEOUT)
         if report.state in (State.EXITED, State.KILLED) and record.state in LIVE:
