@@ -31,7 +31,7 @@ FATES = st.sampled_from(["answer", "answer", "answer", "refuse", "lose_reply", "
 class LifecycleMachine(RuleBasedStateMachine):
     """See the module docstring."""
 
-    @initialize(nodes=st.integers(1, 2), gpus=st.integers(1, 4), size=st.sampled_from([4, 8]))
+    @initialize(nodes=st.integers(1, 2), gpus=st.sampled_from([1, 2, 4, 4]), size=st.sampled_from([4, 8]))
     def start(self, nodes: int, gpus: int, size: int) -> None:
         import tempfile
         self.folder = tempfile.mkdtemp(prefix="gpumgr-model-")
@@ -59,7 +59,8 @@ class LifecycleMachine(RuleBasedStateMachine):
                 agent._obey()
 
     # --- the API -------------------------------------------------------------------------------
-    @rule(memory=st.integers(1, 8), count=st.integers(1, 4), queue=st.booleans(), priority=st.integers(0, 3),
+    @rule(memory=st.integers(1, 8), count=st.sampled_from([1, 1, 1, 2, 3, 4]), queue=st.booleans(),
+          priority=st.integers(0, 3),
           preemptible=st.booleans())
     def post(self, memory: int, count: int, queue: bool, priority: int, preemptible: bool) -> None:
         spec = PlacementSpec(memory=memory * GiB // 2, count=count, placement="spread", image="img", command=[],
@@ -80,10 +81,16 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.manager.send(commands)
             assert record.desired is not State.RUNNING or record.state not in LIVE
 
-    @precondition(lambda self: self.ids)
+    def live(self) -> list[str]:
+        """Running records to resize (queued ones when none runs)."""
+        states = {c: self.manager.cluster.get(c).state for c in self.ids}
+        return [c for c, s in states.items() if s is State.RUNNING] or \
+            [c for c, s in states.items() if s is State.QUEUED]
+
+    @precondition(lambda self: self.live())
     @rule(data=st.data(), memory=st.integers(1, 8))
     def patch(self, data: st.DataObject, memory: int) -> None:
-        cid = data.draw(st.sampled_from(self.ids), "record")
+        cid = data.draw(st.sampled_from(self.live()), "record")
         try:
             _, command = self.manager.cluster.begin_resize(cid, memory * GiB // 2, force=True)
         except GpumgrError:
@@ -95,7 +102,9 @@ class LifecycleMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.link.held)
     @rule(data=st.data(), fate=FATES)
     def deliver(self, data: st.DataObject, fate: str) -> None:
-        number = data.draw(st.sampled_from(sorted(self.link.held)), "request")  # any order: replies reorder
+        self.deliver_one(data.draw(st.sampled_from(sorted(self.link.held)), "request"), fate)  # any order
+
+    def deliver_one(self, number: int, fate: str) -> None:
         held = self.link.held.pop(number)
         agent = next((a for a in self.agents if held.key == a.key), None)
         if agent is None or not agent.up or fate == "drop":
@@ -114,6 +123,14 @@ class LifecycleMachine(RuleBasedStateMachine):
             for callback in callbacks:
                 callback(held.future)
         self.settle()
+
+    @precondition(lambda self: self.link.held)
+    @rule(data=st.data())
+    def deliver_all(self, data: st.DataObject) -> None:
+        """Every request in flight meets a fate at once (drawn for each, in a drawn order)."""
+        for number in data.draw(st.permutations(sorted(self.link.held)), "order"):
+            if number in self.link.held:
+                self.deliver_one(number, data.draw(FATES, "fate"))
 
     # --- nodes ---------------------------------------------------------------------------------
     @rule(data=st.data())
@@ -192,6 +209,6 @@ class LifecycleMachine(RuleBasedStateMachine):
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-LifecycleMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None,
+LifecycleMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=60, deadline=None,
                                               database=None, suppress_health_check=list(HealthCheck))
 test_the_lifecycle_holds_against_a_misbehaving_agent = pytest.mark.timeout(1200)(LifecycleMachine.TestCase)
