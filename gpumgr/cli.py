@@ -309,6 +309,7 @@ def build_agent(settings: AgentSettings) -> Any:
     from gpumgr.agent import procmap
     from gpumgr.agent.agent import Agent, build_runtime
     from gpumgr.agent.gpus import open_source
+    from gpumgr.agent.hook_limits import HookLimits
     from gpumgr.agent.identity import load_identity
 
     procmap.set_root(settings.proc_root)
@@ -318,7 +319,8 @@ def build_agent(settings: AgentSettings) -> Any:
     runtime = build_runtime(settings.runtime, lambda m: holder[0].report_change(m), network_mode=settings.network_mode,
                             device_requests=settings.device_requests, gpu_kind=source.kind,
                             log_dir=settings.process_log_dir, mps=settings.mps, node=settings.node,
-                            state_dir=identity.folder)
+                            state_dir=identity.folder, guard_control=settings.guard_control,
+                            hook_limits=HookLimits(settings.hook_tenant, settings.hook_max_priority))
     hook = settings.hook_socket if runtime.kind == "docker" else None
     agent = Agent(settings.node, settings.manager, source, runtime, identity,
                   heartbeat_interval=settings.heartbeat_interval, enforcement=settings.enforcement(),

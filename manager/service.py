@@ -12,6 +12,7 @@ from gpumgr.manager.admission import Admission
 from gpumgr.manager.cluster import Cluster
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.events import EventLog
+from gpumgr.manager.hook_policy import hook_tenant  # issue 22
 from gpumgr.manager.link import ManagerLink
 from gpumgr.manager.metrics import Metrics
 from gpumgr.manager.records import Container, PlacementSpec
@@ -388,7 +389,8 @@ class Manager:
             )
             try:
                 record = self.cluster.submit(spec, deadline=defaults.HOOK_CONFIRM, queue=request.queue,
-                                             queue_timeout=defaults.HOOK_QUEUE_TIMEOUT if request.queue else None)
+                                             queue_timeout=defaults.HOOK_QUEUE_TIMEOUT if request.queue else None,
+                                             tenant=hook_tenant(self.tenants, request))  # issue 22
                 if record.state is State.QUEUED:
                     with self._waiters_lock:
                         self._hook_waiters[record.id] = (request.node, reply_to)

@@ -58,7 +58,7 @@ from typing import Any
 from gpumgr.plugin.docker_gpu import METADATA
 from gpumgr.plugin.files import Change, apply, mode_of, read_bytes, sha256_of
 from gpumgr.plugin.hook import CONFIG as RUNTIME_CONFIG
-from gpumgr.plugin.hook import DEFAULT_SOCKET, REQUEST_MEMORY, RUNTIME_CANDIDATES, SEARCH_PATH
+from gpumgr.plugin.hook import DEFAULT_SOCKET, GPU_SPEC_PATTERN, REQUEST_MEMORY, RUNTIME_CANDIDATES, SEARCH_PATH
 from gpumgr.wire.names import Env
 
 RUNTIME_NAME = "gpumgr"
@@ -103,7 +103,7 @@ if [ "$command" = create ]; then
     case "$arg" in --bundle=*) bundle=${{arg#--bundle=}} ;; esac
     previous=$arg
   done
-  if grep -q '"{marker}=' "$bundle/config.json" 2>/dev/null; then
+  if grep -qE '"{marker}=|{gpu_pattern}' "$bundle/config.json" 2>/dev/null; then
     {config_env}={config_q}
     export {config_env}
     exec {python} -I -S -c {code} "$@"
@@ -289,7 +289,8 @@ def _plan_install(args: argparse.Namespace) -> tuple[list[Change], list[str], bo
     hook_text = HOOK_LAUNCHER.format(
         mark=MARK, python=python, plain_q=shlex.quote(plain), config_q=shlex.quote(str(runtime_config)),
         config_env=Env.RUNTIME_CONFIG, runc_env=Env.RUNC,
-        marker=REQUEST_MEMORY, code=shlex.quote(launcher_code(HOOK_MODULE, HOOK_IMPORTS, HOOK_EAGER)))
+        marker=REQUEST_MEMORY, code=shlex.quote(launcher_code(HOOK_MODULE, HOOK_IMPORTS, HOOK_EAGER)),
+        gpu_pattern=GPU_SPEC_PATTERN)  # issue 22: a GPU spec without a request goes to the hook, which checks its grant
     cli_text = CLI_LAUNCHER.format(mark=MARK, python=python, metadata=json.dumps(METADATA),
                                    code=shlex.quote(launcher_code(CLI_MODULE, CLI_IMPORTS)))
     settings = {"runtime": gpu_runtime, "plain_runtime": plain, "hook_socket": args.hook_socket, STATE_KEY: state}
