@@ -73,8 +73,10 @@ def _fold_char(char: str) -> str:
     if char.isascii():
         return char.upper()
     folded = char.casefold()
-    # only single-rune foldings are simple ones (ß → ss is a full folding, which Go does not apply)
-    return folded.upper() if len(folded) == 1 else char
+    # only single-rune foldings are simple ones (ß → ss is a full folding, which Go does not apply), and
+    # only the long s and the Kelvin sign fold onto ASCII letters (a dotless ı does not: its upper case
+    # is I, but it is no case variant of i)
+    return folded.upper() if len(folded) == 1 and folded.isascii() else folded if len(folded) == 1 else char
 
 
 def parse(raw: bytes) -> Any:
