@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpumgr.plugin import install
+from gpumgr.plugin import guard_install, install
 
 
 def add_plugin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -13,8 +13,10 @@ def add_plugin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     actions = plugin.add_subparsers(required=True, metavar="ACTION")
     setup = actions.add_parser("install", help="install the CLI plugin and the OCI runtime hook on this host")
     install.add_arguments(setup)
-    setup.set_defaults(func=install.install)
+    guard_install.add_arguments(setup, installing=True)  # issue 22
+    setup.set_defaults(func=guard_install.install_command)
     remove = actions.add_parser("uninstall", help="put the Docker engine back as it was before install and "
                                                   "remove the CLI plugin and the runtime hook")
     install.add_path_arguments(remove)
-    remove.set_defaults(func=install.uninstall)
+    guard_install.add_arguments(remove, installing=False)  # issue 22
+    remove.set_defaults(func=guard_install.uninstall_command)
