@@ -58,14 +58,17 @@ class Map:
     value: Any
 
 
+#: No field name is longer; a longer key is no field (and is not folded, however long it is).
+MAX_KEY = 64
 BOOL = Scalar(bool)
 STR = Scalar(str)
 ANY = Scalar()
 
 
+@lru_cache(maxsize=4096)
 def fold(name: str) -> str:
     """``name`` under Go's simple case folding (what ``bytes.EqualFold`` compares)."""
-    return "".join(_fold_char(char) for char in name)
+    return name.upper() if name.isascii() else "".join(_fold_char(char) for char in name)
 
 
 @lru_cache(maxsize=4096)
@@ -119,9 +122,10 @@ def into(current: Any, value: Any, schema: Any) -> Any:
 def _struct(current: dict[str, Any], value: Any, schema: Struct) -> dict[str, Any]:
     if not isinstance(value, _Pairs):
         raise BodyError(f"an object was expected, not {_kind(value)}")
+    fields = schema.fields
     names = _names(schema)
     for key, item in value:
-        name = key if key in schema.fields else names.get(fold(key))
+        name = key if key in fields else names.get(fold(key)) if len(key) <= MAX_KEY else None
         if name is not None:
             current[name] = into(current.get(name), item, schema.fields[name])
     return current

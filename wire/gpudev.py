@@ -251,7 +251,11 @@ def mounts_reasons(mounts: Any, where: str, policy: Policy) -> list[str]:
 
 
 def path_problem(path: str, policy: Policy, *, deep: bool = False) -> str | None:
-    """Why the host path ``path`` may not go into a container, or None; links and directories are followed."""
+    """Why the host path ``path`` may not go into a container, or None; links are followed.
+
+    With ``deep`` (a device) a directory is searched for GPU nodes, as the engine adds every device
+    under a directory; a bound directory is not (a node in it stays closed by the device rules).
+    """
     if path.startswith(GPU_NODE_PREFIXES):
         return "is a GPU device"
     real = os.path.realpath(path)
@@ -272,10 +276,10 @@ def _device_problem(path: Path, policy: Policy, deep: bool) -> str | None:
         return None  # nothing there: the engine makes an empty folder (bind) or fails (device)
     if stat.S_ISCHR(info.st_mode):
         return f"is a GPU device (major {os.major(info.st_rdev)})" if os.major(info.st_rdev) in policy.majors else None
-    if not stat.S_ISDIR(info.st_mode):
+    if not deep or not stat.S_ISDIR(info.st_mode):
         return None
     seen = 0
-    for entry in _walk(path, deep):
+    for entry in _walk(path):
         seen += 1
         if seen > MAX_SCAN:
             return f"holds more than {MAX_SCAN} entries to check"
@@ -288,15 +292,15 @@ def _device_problem(path: Path, policy: Policy, deep: bool) -> str | None:
     return None
 
 
-def _walk(path: Path, deep: bool) -> Iterable[os.DirEntry[str]]:
-    """Entries under ``path``: its own (a bind), or all below it (the engine adds a folder's devices recursively)."""
+def _walk(path: Path) -> Iterable[os.DirEntry[str]]:
+    """Every entry below ``path`` (the engine adds a folder's devices recursively)."""
     pending = [path]
     while pending:
         try:
             with os.scandir(pending.pop()) as entries:
                 for entry in entries:
                     yield entry
-                    if deep and entry.is_dir(follow_symlinks=False):
+                    if entry.is_dir(follow_symlinks=False):
                         pending.append(Path(entry.path))
         except OSError:
             continue
