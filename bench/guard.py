@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import base64
-import http.client
 import json
 import logging
-import socket
 import sys
 import tempfile
 import time
@@ -38,6 +36,7 @@ import docker
 
 from bench.harness import IMAGE, machine, machine_line, median, save, summary, table
 from gpumgr.agent.guard import Guard, GuardState
+from gpumgr.plugin.guard_install import UnixConnection
 from gpumgr.wire import gpudev
 from tests.guard_dockerd import GuardEngine
 from tests.guardproc import GuardProc
@@ -114,7 +113,7 @@ def socket_round_trips(seconds: float) -> list[float]:
     bodies = [json.dumps(r).encode() for r in plugin_requests()]
     times: list[float] = []
     try:
-        connection = _Unix(str(guard.socket))
+        connection = UnixConnection(str(guard.socket))
         t_end = time.perf_counter() + seconds
         while time.perf_counter() < t_end:
             for body in bodies:
@@ -127,16 +126,6 @@ def socket_round_trips(seconds: float) -> list[float]:
     finally:
         guard.stop()
     return times
-
-
-class _Unix(http.client.HTTPConnection):
-    def __init__(self, path: str) -> None:
-        super().__init__("localhost", timeout=10)
-        self.unix_path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.connect(self.unix_path)
 
 
 def main() -> None:

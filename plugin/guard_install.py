@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,13 +96,8 @@ def install_command(args: argparse.Namespace) -> int:
     status = install.install(args)
     if status != 0:
         return status
-    try:
-        notes = _add_to_daemon_json(Path(args.daemon_config), Path(args.guard_state), name)
-    except (Refused, OSError) as exc:
-        print(f"gpumgr plugin install: {exc}", file=sys.stderr)
+    if _change_daemon_json("install", _add_to_daemon_json, args, name) is None:
         return 2
-    for note in notes:
-        print(note)
     if args.reload:
         print(install._reload(Path(args.dockerd_pidfile)))
     else:
@@ -113,13 +109,9 @@ def install_command(args: argparse.Namespace) -> int:
 def uninstall_command(args: argparse.Namespace) -> int:
     """``gpumgr plugin uninstall``: the guard out of the engine's path (reload, wait, stop), then the rest."""
     name = Path(args.guard_socket).stem
-    try:
-        notes = _remove_from_daemon_json(Path(args.daemon_config), Path(args.guard_state), name)
-    except (Refused, OSError) as exc:
-        print(f"gpumgr plugin uninstall: {exc}; nothing was changed", file=sys.stderr)
+    notes = _change_daemon_json("uninstall", _remove_from_daemon_json, args, name)
+    if notes is None:
         return 2
-    for note in notes:
-        print(note)
     if notes:
         print(install._reload(Path(args.dockerd_pidfile)))
         if not _wait_unlisted(args.docker_host, name):
@@ -129,6 +121,19 @@ def uninstall_command(args: argparse.Namespace) -> int:
         print(f"the engine no longer uses {name}")
     print(_stop_unit(Path(args.systemd_dir) / UNIT_NAME))
     return install.uninstall(args)
+
+
+def _change_daemon_json(command: str, change: Callable[[Path, Path, str], list[str]], args: argparse.Namespace,
+                        name: str) -> list[str] | None:
+    """Make ``change`` to daemon.json and print what it did; None (after saying why) if it could not."""
+    try:
+        notes = change(Path(args.daemon_config), Path(args.guard_state), name)
+    except (Refused, OSError) as exc:
+        print(f"gpumgr plugin {command}: {exc}", file=sys.stderr)
+        return None
+    for note in notes:
+        print(note)
+    return notes
 
 
 def _write_unit(args: argparse.Namespace, unit: Path) -> str:
@@ -169,7 +174,7 @@ def _probe(path: str) -> None:
 
 
 def _plugin_call(path: str, call: str) -> dict[str, Any]:
-    connection = _UnixConnection(path)
+    connection = UnixConnection(path)
     try:
         connection.request("POST", call, body=b"{}", headers={"Content-Type": "application/json"})
         data = json.loads(connection.getresponse().read(65536))
@@ -180,7 +185,9 @@ def _plugin_call(path: str, call: str) -> dict[str, Any]:
     return data
 
 
-class _UnixConnection(http.client.HTTPConnection):
+class UnixConnection(http.client.HTTPConnection):
+    """HTTP over a Unix socket (a plugin's), with a 5 s timeout."""
+
     def __init__(self, path: str) -> None:
         super().__init__("localhost", timeout=5)
         self.path = path
