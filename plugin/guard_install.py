@@ -128,8 +128,9 @@ def _change_daemon_json(command: str, change: Callable[[Path, Path, str], list[s
     """Make ``change`` to daemon.json and print what it did; None (after saying why) if it could not."""
     try:
         notes = change(Path(args.daemon_config), Path(args.guard_state), name)
-    except (Refused, OSError) as exc:
-        print(f"gpumgr plugin {command}: {exc}", file=sys.stderr)
+    except (Refused, install.Refused, OSError) as exc:
+        done = "nothing was changed" if command == "uninstall" else "the guard is not named in daemon.json"
+        print(f"gpumgr plugin {command}: {exc}; {done}", file=sys.stderr)
         return None
     for note in notes:
         print(note)
