@@ -88,6 +88,7 @@ def install_command(args: argparse.Namespace) -> int:
     try:
         unit_note = _write_unit(args, unit)
         _check_engine_flags(Path(args.dockerd_pidfile))
+        _check_default_runtime(args)
         _probe(args.guard_socket)
     except Refused as exc:
         print(f"gpumgr plugin install: {exc}; daemon.json was not changed", file=sys.stderr)
@@ -161,6 +162,21 @@ def _check_engine_flags(pidfile: Path) -> None:
         raise Refused("dockerd was started with --authorization-plugin; naming a plugin in daemon.json as well "
                       "stops it from starting: remove the flag (and add gpumgr-guard there instead) or leave "
                       "authorization plugins to the flags")
+
+
+def _check_default_runtime(args: argparse.Namespace) -> None:
+    """Refuse to guard a node whose default runtime hands every CUDA image its GPUs (the image's own ENV)."""
+    if not args.no_default_runtime:
+        return  # gpumgr's hook becomes the default: an image's NVIDIA_VISIBLE_DEVICES gets plain runc
+    try:
+        config = json.loads(Path(args.daemon_config).read_text())
+    except (OSError, ValueError):
+        return  # the plain install reports a malformed file; a missing one names no default runtime
+    default = str(config.get("default-runtime") or "") if isinstance(config, dict) else ""
+    if "nvidia" in default:
+        raise Refused(f"the engine's default runtime is {default!r}, which gives every CUDA image (its ENV sets "
+                      "NVIDIA_VISIBLE_DEVICES) all GPUs whatever the guard says: install without "
+                      "--no-default-runtime so gpumgr's hook is the default")
 
 
 def _probe(path: str) -> None:

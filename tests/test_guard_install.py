@@ -78,3 +78,13 @@ def test_install_refuses_when_dockerd_names_a_plugin_by_flag(tmp_path):
     finally:
         flagged.stop()
         guard.stop()
+
+
+def test_install_refuses_to_guard_behind_the_nvidia_default_runtime(tmp_path, engine):
+    daemon = engine.dir / "daemon.json"
+    daemon.write_text(json.dumps({**json.loads(daemon.read_text()), "default-runtime": "nvidia"}))
+    before = daemon.read_bytes()
+    done = plugin_command("install", tmp_path, engine, "/run/docker/plugins/gpumgr-guard-unused.sock", "--guard",
+                          "--no-default-runtime")
+    assert done.returncode == 2 and "default runtime is 'nvidia'" in done.stderr
+    assert daemon.read_bytes() == before
