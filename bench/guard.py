@@ -62,7 +62,7 @@ def docker_runs(pairs: int) -> dict[str, list[float]]:
     finally:
         for engine in engines.values():
             engine.stop()
-        guard.stop()
+        guard.remove()
     return times
 
 
@@ -124,7 +124,7 @@ def socket_round_trips(seconds: float) -> list[float]:
                 times.append(time.perf_counter() - t0)
         connection.close()
     finally:
-        guard.stop()
+        guard.remove()
     return times
 
 

@@ -42,3 +42,9 @@ class GuardProc(Proc):
         if self.popen.poll() is not None:
             raise AssertionError(f"the guard exited with {self.popen.returncode}:\n{self.output()}")
         return False
+
+    def remove(self) -> None:
+        """Stop the guard for good and remove its sockets, even if it was killed before it could."""
+        self.stop()
+        for path in (self.socket, Path(self.control)):
+            path.unlink(missing_ok=True)

@@ -32,7 +32,7 @@ DENIED = "gpumgr guard:"
 def guard(tmp_path_factory):
     proc = GuardProc(tmp_path_factory.mktemp("guard"))
     yield proc
-    proc.stop()
+    proc.remove()
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ def test_install_puts_the_guard_in_force_and_uninstall_takes_it_out_before_stopp
         assert removed.returncode == 0, removed.stderr + removed.stdout
         assert f"the engine no longer uses {guard.name}" in removed.stdout
     finally:
-        guard.stop()
+        guard.remove()
     # the guard is gone and the engine does not miss it: same process, everything answers
     assert engine.proc.poll() is None and engine.docker("ps").returncode == 0
     assert engine.docker("create", "--privileged", IMAGE, "true").returncode == 0
@@ -77,7 +77,7 @@ def test_install_refuses_when_dockerd_names_a_plugin_by_flag(tmp_path):
         assert (flagged.dir / "daemon.json").read_bytes() == before
     finally:
         flagged.stop()
-        guard.stop()
+        guard.remove()
 
 
 def test_install_refuses_to_guard_behind_the_nvidia_default_runtime(tmp_path, engine):
