@@ -26,8 +26,9 @@ def guard(tmp_path) -> Guard:
     return Guard(gpudev.Policy(), GuardState(tmp_path / "guard.json"), frozenset({IMAGE_ID}))
 
 
-@pytest.mark.parametrize("uri", ["/v1.41/containers/create", "/containers/create?name=x", "//v1.41//containers/create",
-                                 "/v1.41/containers%2Fcreate", "/v1.41/containers/./create", "/v1.41/x/../containers/create"])
+@pytest.mark.parametrize("uri", ["/v1.41/containers/create", "/containers/create?name=x",
+                                 "//v1.41//containers/create", "/v1.41/containers%2Fcreate",
+                                 "/v1.41/containers/./create", "/v1.41/x/../containers/create"])
 def test_every_spelling_of_the_create_path_is_judged(guard, uri):
     assert not guard.request(plugin_request(uri, {"Image": "x", "HostConfig": {"Privileged": True}})).allow
 
