@@ -5,10 +5,12 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import socket
 
 import pytest
 
 from gpumgr.agent.guard import TICKET_LABEL, Guard, GuardState
+from gpumgr.agent.guard_server import GuardServer
 from gpumgr.wire import gpudev
 
 IMAGE_ID = "sha256:" + "ab" * 32
@@ -87,3 +89,31 @@ def test_garbage_from_the_engine_fails_closed(guard):
     bad["RequestBody"] = "not base64 !!"
     assert not guard.request(bad).allow
     assert not guard.request({"RequestMethod": "POST", "RequestUri": "/v1.41/services/create"}).allow
+
+
+def _exchange(path: str, raw: bytes) -> bytes:
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(path)
+        sock.sendall(raw)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+            if b"\r\n\r\n" in data and len(data.split(b"\r\n\r\n", 1)[1]) >= int(
+                    data.split(b"Content-Length: ", 1)[1].split(b"\r\n", 1)[0]):
+                break
+    return data
+
+
+def test_the_plugin_socket_answers_garbage_with_a_refusal_and_keeps_serving(guard, tmp_path):
+    server = GuardServer(guard, str(tmp_path / "plugin.sock"), None).start()
+    try:
+        path = str(tmp_path / "plugin.sock")
+        assert b" 400 " in _exchange(path, b"GET / HTTP/1.1\r\n\r\n")
+        assert b" 400 " in _exchange(path, b"POST /AuthZPlugin.AuthZReq HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n")
+        denied = _exchange(path, b"POST /AuthZPlugin.AuthZReq HTTP/1.1\r\nContent-Length: 8\r\n\r\nnot json")
+        assert b'"Allow": false' in denied
+        activate = _exchange(path, b"POST /Plugin.Activate HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}")
+        assert json.loads(activate.split(b"\r\n\r\n", 1)[1]) == {"Implements": ["authz"]}
+    finally:
+        server.close()
