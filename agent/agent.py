@@ -11,6 +11,7 @@ a :class:`~gpumgr.wire.link.Link` (a DEALER) whose owner thread is the one that 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +44,8 @@ class Agent:
                  join_timeout: float = defaults.JOIN_TIMEOUT) -> None:
         self.node = node
         self.endpoint = endpoint
+        #: this process's id in registrations: the manager tells a restart (new id) from a reconnect
+        self.instance = os.urandom(8).hex()
         self.source = source
         self.devices = source.devices()
         self.runtime = runtime
@@ -188,7 +191,8 @@ class Agent:
         managed = _newest_ends(self.runtime.managed(), defaults.FINISHED_KEPT)
         refused = list(self.runtime.refused)
         message = protocol.Register(node=self.node, runtime=self.runtime.kind, gpus=gpus,
-                                    containers=[m.report() for m in managed], refused=refused)
+                                    containers=[m.report() for m in managed], refused=refused,
+                                    instance=self.instance)
         try:
             protocol.encode(message)
         except ProtocolError:  # long commands or labels: the grants matter, those do not

@@ -91,9 +91,11 @@ class DockerRuntime(Runtime):
                 detach=True, network_mode=self.network_mode, device_requests=requests,
             )
         except docker.errors.ImageNotFound as exc:
-            raise RuntimeFailure(f"image {spec.image!r} is not on this node: {exc.explanation}") from exc
+            raise RuntimeFailure(f"image {spec.image!r} is not on this node: {exc.explanation}",
+                                 code="image_not_found") from exc
         except docker.errors.APIError as exc:
-            raise RuntimeFailure(f"docker could not create the container: {exc.explanation}") from exc
+            raise RuntimeFailure(f"docker could not create the container: {exc.explanation}",
+                                 code=_caller_code(exc)) from exc
         managed = managed_from_labels(_id(container), labels, spec.image, State.RUNNING)
         self._track(managed)
         try:
@@ -102,7 +104,8 @@ class DockerRuntime(Runtime):
         except docker.errors.APIError as exc:
             self._untrack(spec.grant)
             _force_remove(container)
-            raise RuntimeFailure(f"docker could not start the container: {exc.explanation}") from exc
+            raise RuntimeFailure(f"docker could not start the container: {exc.explanation}",
+                                 code=_caller_code(exc, starting=True)) from exc
         managed.pid = container.attrs["State"].get("Pid") or None
         if not container.attrs["State"].get("Running"):
             self._exited(managed, container.attrs["State"].get("ExitCode"))
@@ -459,8 +462,32 @@ class DockerRuntime(Runtime):
             if managed.state in (State.RUNNING, State.CREATING) and state not in ("running", "created"):
                 log.info("container %s ended while the event stream was down", managed.container_id[:12])
                 self._exited(managed, _exit_code(summary) if summary is not None else None)
+            elif managed.state == State.CREATING and state == "running":
+                # its start event was missed: it runs, so its grant is enforced and reported running from now
+                with self._lock:
+                    managed.state = State.RUNNING
+                log.info("container %s started while the event stream was down", managed.container_id[:12])
+                self._on_change(managed)
         log.info("re-listed containers after the event stream came back")
 
+
+
+def _caller_code(exc: docker.errors.APIError, *, starting: bool = False) -> str | None:
+    """The error code for an engine refusal that is the caller's mistake, or None (the node's fault).
+
+    A reference the engine rejects (400), a name already in use (409), and a command it cannot
+    execute are what the caller sent; the manager answers them with a 4xx and the engine's words.
+    """
+    text = str(exc.explanation or "").lower()
+    if starting and ("executable file not found" in text or "no such file or directory" in text
+                     or "permission denied" in text and "exec" in text):
+        return "bad_command"
+    status = exc.status_code or 0
+    if status == 409:
+        return "conflict"
+    if status == 400 or "invalid reference format" in text or "repository name must" in text:
+        return "invalid_request"
+    return None
 
 
 def _label_problem(labels: dict[str, str]) -> str | None:

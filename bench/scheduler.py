@@ -75,9 +75,15 @@ def time_reserve_release(cluster: Cluster, specs: list[PlacementSpec], seconds: 
             return n, now - start
 
 
+def _index_of(cluster: Cluster) -> object:
+    """The map's free index (the ledger's; ``_index`` on the map before the cluster was split by idea)."""
+    ledger = getattr(cluster, "ledger", None)
+    return ledger.index if ledger is not None else cluster._index  # type: ignore[attr-defined]
+
+
 def time_place(cluster: Cluster, requests: list[Request], seconds: float) -> tuple[int, float]:
     """Run the pure ``place()`` over ``requests`` (cycled) on the cluster's index; return (decisions, elapsed)."""
-    n, k, index = 0, len(requests), cluster._index
+    n, k, index = 0, len(requests), _index_of(cluster)
     start = time.perf_counter()
     deadline = start + seconds
     while True:
@@ -151,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         rates.setdefault("heartbeat() of one node", []).append(n / dt)
         print(f"  rep {rep + 1}/{args.reps} done", file=sys.stderr)
 
-    after = cluster._index
+    after = _index_of(cluster)
     still = sum(s.reserved for _, s in after.by_free) / (args.nodes * args.gpus * args.gpu_size * GiB)
     rows = [{"name": name, "median_per_s": median(values), "min_per_s": min(values), "max_per_s": max(values),
              "us_per_op": 1e6 / median(values), "samples": values} for name, values in rates.items()]

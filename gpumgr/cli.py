@@ -217,9 +217,7 @@ def start_manager(settings: ManagerSettings) -> tuple[Any, Any]:
     from gpumgr.manager.service import Manager
 
     host, port = split_hostport(settings.api, defaults.API_PORT)
-    if not settings.token and not _is_loopback(host):
-        raise ValueError(f"the API on {host} would let anyone start containers: set a non-empty token (--token, "
-                         "GPUMGR_TOKEN or 'token' in the config file) or listen on loopback")
+    check_exposure(settings.api, settings.token)
     manager = Manager(settings)
     manager.start()
     server = create_server(create_app(manager), **server_options(host, port, settings.threads))
@@ -354,10 +352,24 @@ def _serve_until_signal(server: Any, manager: Any, reread: Any = None) -> None:
         manager.stop()
 
 
+def check_exposure(api: str, token: str | None) -> None:
+    """ValueError if an API on ``api`` without ``token`` would let anyone act as the operator (start and on reload)."""
+    host, _ = split_hostport(api, defaults.API_PORT)
+    if not token and not _is_loopback(host):
+        raise ValueError(f"the API on {host} would let anyone start containers: set a non-empty token (--token, "
+                         "GPUMGR_TOKEN or 'token' in the config file) or listen on loopback")
+
+
 def _reload(manager: Any, reread: Any) -> None:
-    """Re-read the settings and put their tenants in force; a broken file keeps the settings in force."""
+    """Re-read the settings and put their tenants in force; a file the startup checks refuse keeps the settings.
+
+    The API keeps its address on reload, so a configuration without a token is refused for an API bound
+    beyond loopback exactly as at startup: otherwise one SIGHUP would open it to anyone.
+    """
     try:
-        manager.reload_tenants(reread())
+        settings = reread()
+        check_exposure(manager.settings.api, settings.token)
+        manager.reload_tenants(settings)
     except Exception as exc:  # a YAML syntax error, a bad field, an unreadable token file: say why, keep serving
         log.error("reload refused, the settings in force stay: %s", str(exc).replace("\n", " "))
 

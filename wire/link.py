@@ -52,6 +52,8 @@ class _Pending:
     peer: bytes
     deadline: float
     what: str
+    #: the proven key the reply must come from ("" to match by routing id, which a reconnect changes)
+    key: str = ""
 
 
 @dataclass
@@ -135,19 +137,24 @@ class Link:
         self._outbox.put((peer, frame, msg_id))
         self._poke()
 
-    def request_async(self, peer: bytes, message: protocol.Message, timeout: float) -> Future[protocol.Reply]:
-        """Send ``message``; the future gets its reply, or AgentTimeout after ``timeout`` seconds."""
+    def request_async(self, peer: bytes, message: protocol.Message, timeout: float, *,
+                      key: str = "") -> Future[protocol.Reply]:
+        """Send ``message``; the future gets its reply, or AgentTimeout after ``timeout`` seconds.
+
+        With ``key`` the reply is taken from whichever connection that proven key answers on, so a
+        peer whose socket reconnected (a new routing id) still answers what it was asked.
+        """
         msg_id = protocol.new_id()
         future: Future[protocol.Reply] = Future()
         with self._pending_lock:
-            self._pending[msg_id] = _Pending(future, peer, time.monotonic() + timeout, message.TYPE)
+            self._pending[msg_id] = _Pending(future, peer, time.monotonic() + timeout, message.TYPE, key)
         self.send_frame(peer, protocol.encode(message, msg_id=msg_id), msg_id)
         return future
 
-    def fail_peer(self, peer: bytes, error: Exception) -> int:
-        """Fail every request waiting on ``peer`` at once (its process is gone); return how many."""
+    def fail_peer(self, peer: bytes, error: Exception, key: str = "") -> int:
+        """Fail every request waiting on ``peer`` (or on proven ``key``) at once (its process is gone)."""
         with self._pending_lock:
-            gone = [k for k, p in self._pending.items() if p.peer == peer]
+            gone = [k for k, p in self._pending.items() if (p.key == key if key else p.peer == peer)]
             failed = [self._pending.pop(k) for k in gone]
         for pending in failed:
             if not pending.future.done():
@@ -311,7 +318,7 @@ class Link:
         """Hand ``reply`` to the request waiting for it; False if none is (the handler then sees it)."""
         with self._pending_lock:
             pending = self._pending.get(envelope.reply_to or "")
-            if pending is None or (self.kind == zmq.ROUTER and pending.peer != peer.routing_id):
+            if pending is None or (self.kind == zmq.ROUTER and not _same_sender(pending, peer)):
                 return False
             del self._pending[envelope.reply_to or ""]
         if not pending.future.done():
@@ -326,6 +333,11 @@ class Link:
         for pending in expired:
             if not pending.future.done():
                 pending.future.set_exception(AgentTimeout(f"the peer did not answer {pending.what} in time"))
+
+
+def _same_sender(pending: _Pending, peer: Peer) -> bool:
+    """Whether ``peer`` may answer ``pending``: its proven key when one was named, else its routing id."""
+    return pending.key == peer.key if pending.key else pending.peer == peer.routing_id
 
 
 def _key_of(frame: zmq.Frame) -> str:

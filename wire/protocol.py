@@ -64,6 +64,8 @@ class ContainerStatus(_Model):
     finished_at: float | None = None
     #: the highest usage (summed over its GPUs) its agent ever sampled
     peak: int = Field(default=0, ge=0)
+    #: the grant (bytes per GPU) its agent enforces now; 0 from an agent that does not say
+    gpu_memory: int = Field(default=0, ge=0)
 
 
 class ContainerReport(ContainerStatus):
@@ -144,6 +146,8 @@ class Register(Message):
     gpus: list[GpuInfo]
     containers: list[ContainerReport] = Field(default_factory=list, max_length=defaults.MAX_CONTAINERS_PER_NODE)
     refused: list[RefusedAdoption] = Field(default_factory=list, max_length=defaults.MAX_CONTAINERS_PER_NODE)
+    #: drawn once per agent process: a registration with another one is a restart, not a reconnect
+    instance: str = Field(default="", max_length=64)
 
 
 class Registered(Message):
