@@ -106,10 +106,19 @@ class GuardState:
             while len(self.managed) >= MAX_MANAGED:
                 forgotten = next(iter(self.managed))
                 del self.managed[forgotten]
+                for old in [n for n, cid in self.names.items() if cid == forgotten]:
+                    del self.names[old]
             self.managed[container_id] = 1
             if name:
                 self.names[name.lstrip("/")] = container_id
         self.save()
+
+    def forget_name(self, name: str) -> None:
+        """``name`` no longer names a gpumgr container (the engine gave it to another one)."""
+        with self.lock:
+            forgotten = self.names.pop(name.lstrip("/"), None)
+        if forgotten is not None:
+            self.save()
 
     def resolve(self, ref: str) -> str | None:
         """The gpumgr container ``ref`` (an id, a name or an id prefix) may name, or None."""
@@ -179,18 +188,30 @@ class Guard:
             return _deny(f"the guard could not judge this request ({type(exc).__name__})")
 
     def response(self, plugin_request: dict[str, Any]) -> Decision:
-        """Note the id of a container gpumgr created (the ``AuthZRes`` of a ticketed create); always allow."""
-        path, _, _ = _route(str(plugin_request.get("RequestUri") or ""))
-        if path == "/containers/create" and str(plugin_request.get("RequestMethod")).upper() == "POST":
-            try:
-                ticket = (_decoded(plugin_request, gpudev.CREATE).get("Labels") or {}).get(TICKET_LABEL)
-                name = self.state.pending.pop(ticket, None) if isinstance(ticket, str) else None
-                response = json.loads(base64.b64decode(str(plugin_request.get("ResponseBody") or "")) or b"{}")
-                if name is not None and isinstance(response, dict) and isinstance(response.get("Id"), str):
-                    self.state.created(response["Id"], name)
-            except (ValueError, TypeError):
-                pass  # not a create that made a gpumgr container
+        """Always allow; after a create or rename that worked, note which container a name now belongs to."""
+        status = plugin_request.get("ResponseStatusCode")
+        if str(plugin_request.get("RequestMethod")).upper() != "POST" or (isinstance(status, int) and status >= 300):
+            return ALLOW
+        path, query, _ = _route(str(plugin_request.get("RequestUri") or ""))
+        name = (query.get("name") or [""])[0]
+        if path == "/containers/create":
+            self._created(plugin_request, name)
+        elif name and (match := CONTAINER_ACTION.match(path)) is not None and match[2] == "rename":
+            self.state.forget_name(name)  # a gpumgr container's old name now names another container
         return ALLOW
+
+    def _created(self, plugin_request: dict[str, Any], name: str) -> None:
+        """Remember a ticketed create's container (its one start is the agent's); any other frees its name."""
+        try:
+            ticket = (_decoded(plugin_request, gpudev.CREATE).get("Labels") or {}).get(TICKET_LABEL)
+            response = json.loads(base64.b64decode(str(plugin_request.get("ResponseBody") or "")) or b"{}")
+        except (ValueError, TypeError):
+            return  # not a create the engine carried out
+        pending = self.state.pending.pop(ticket, None) if isinstance(ticket, str) else None
+        if pending is not None and isinstance(response, dict) and isinstance(response.get("Id"), str):
+            self.state.created(response["Id"], pending)
+        elif name:
+            self.state.forget_name(name)
 
     def _judge(self, request: dict[str, Any]) -> Decision:
         method = str(request.get("RequestMethod") or "").upper()

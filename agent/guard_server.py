@@ -46,7 +46,8 @@ class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     block_on_close = False
 
     def __init__(self, path: str, handler: type[socketserver.BaseRequestHandler], mode: int, guard: Guard) -> None:
-        Path(path).parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        # the engine's plugin folder is world-readable; the control socket's is root's alone, as the hook's
+        Path(path).parent.mkdir(mode=0o755 if mode & 0o060 else 0o700, parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             Path(path).unlink()
         self.guard = guard

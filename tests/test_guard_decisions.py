@@ -72,6 +72,13 @@ def test_a_ticketed_container_starts_once_and_is_remembered_across_guard_restart
         decision = restarted.request(plugin_request(f"/v1.41/containers/{ref}/start"))
         assert not decision.allow and "grant has ended" in decision.message
     assert restarted.request(plugin_request("/v1.41/containers/other/start")).allow
+    # once the gpumgr container is gone, its name may go to a plain container, which then starts freely
+    plain = plugin_request("/v1.41/containers/create?name=job", {"Image": "x"})
+    assert restarted.request(plain).allow
+    restarted.response({**plain, "ResponseStatusCode": 201,
+                        "ResponseBody": base64.b64encode(json.dumps({"Id": "e" * 64}).encode()).decode()})
+    assert restarted.request(plugin_request("/v1.41/containers/job/start")).allow
+    assert not restarted.request(plugin_request(f"/v1.41/containers/{'f' * 64}/start")).allow
 
 
 def test_a_legacy_start_body_is_judged_and_a_missing_one_denied(guard):
