@@ -480,7 +480,7 @@ def _caller_code(exc: docker.errors.APIError, *, starting: bool = False) -> str 
     """
     text = str(exc.explanation or "").lower()
     if starting and ("executable file not found" in text or "no such file or directory" in text
-                     or "permission denied" in text and "exec" in text):
+                     or ("permission denied" in text and "exec" in text)):
         return "bad_command"
     status = exc.status_code or 0
     if status == 409:
