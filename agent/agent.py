@@ -271,7 +271,8 @@ def _dealer_options(sock: zmq.Socket[bytes]) -> None:
 
 def build_runtime(kind: str, on_change: ChangeCallback, *, network_mode: str | None, device_requests: str,
                   gpu_kind: str, log_dir: str, mps: bool = False, node: str = "",
-                  state_dir: str | Path | None = None) -> Runtime:
+                  state_dir: str | Path | None = None, guard_control: str | None = None,
+                  hook_limits: Any = None) -> Runtime:
     """The runtime ``kind``, chosen once at start and kept for the agent's life.
 
     ``auto`` means Docker wherever an engine is installed: when its socket exists but does not answer
@@ -294,7 +295,7 @@ def build_runtime(kind: str, on_change: ChangeCallback, *, network_mode: str | N
         time.sleep(1.0)
     use_requests = device_requests == "always" or (device_requests == "auto" and gpu_kind == "nvml" and _has_nvidia())
     return DockerRuntime(on_change, node=node, network_mode=network_mode, device_requests=use_requests, mps=mps,
-                         state_dir=state_dir)
+                         state_dir=state_dir, guard_control=guard_control, hook_limits=hook_limits)
 
 
 def _has_nvidia() -> bool:

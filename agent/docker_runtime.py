@@ -17,6 +17,8 @@ from docker.models.containers import Container
 from docker.types import CancellableStream, DeviceRequest
 
 from gpumgr.agent import procmap
+from gpumgr.agent.guard_client import ticket_labels
+from gpumgr.agent.hook_limits import HookLimits
 from gpumgr.agent.runtime import (
     ChangeCallback,
     Managed,
@@ -52,8 +54,11 @@ class DockerRuntime(Runtime):
 
     def __init__(self, on_change: ChangeCallback, *, node: str = "", network_mode: str | None = None,
                  device_requests: bool = False, client: docker.DockerClient | None = None, mps: bool = False,
-                 state_dir: str | Path | None = None) -> None:
+                 state_dir: str | Path | None = None, guard_control: str | None = None,
+                 hook_limits: HookLimits | None = None) -> None:
         super().__init__(on_change, mps=mps)
+        self.guard_control = guard_control  # issue 22
+        self.hook_limits = hook_limits or HookLimits()  # issue 22
         #: the grants this agent took for hook-created containers, kept where no container can change them
         self._ledger = Path(state_dir, TASKS_FILE) if state_dir is not None else None
         self._resized_file = Path(state_dir, RESIZED_FILE) if state_dir is not None else None
@@ -77,6 +82,7 @@ class DockerRuntime(Runtime):
         if not spec.image:
             raise RuntimeFailure("an image is required on a node that runs Docker", code="invalid_request")
         labels = {**spec.labels, **grant_labels(spec), Label.NODE: self.node}
+        labels.update(ticket_labels(self.guard_control))  # issue 22: the guard lets this one create through
         requests = [DeviceRequest(driver="nvidia", device_ids=spec.gpus, capabilities=[["gpu"]])] \
             if self.device_requests else None
         try:
@@ -218,15 +224,16 @@ class DockerRuntime(Runtime):
         try:
             memory, gpus = parse_bytes(env[Env.REQUEST_MEMORY]), int(env.get(Env.REQUEST_GPUS, "1"))
             labels = {label: env[var] for var, label in TASK_LABELS.items() if env.get(var)}
-            return Reserve(container_id=summary["Id"], gpu_memory=memory, gpus=gpus, labels=labels,
-                           name=env.get(Env.TASK_NAME) or str(attrs.get("Name", "")).lstrip("/"),
-                           image=str(attrs["Config"].get("Image", "")),
-                           on_overrun=env.get(Env.REQUEST_ON_OVERRUN) or None,
-                           priority=int(env.get(Env.REQUEST_PRIORITY) or 0),
-                           preemptible=flag_set(env.get(Env.REQUEST_PREEMPTIBLE)),
-                           queue=flag_set(env.get(Env.REQUEST_QUEUE)))
+            reserve = Reserve(container_id=summary["Id"], gpu_memory=memory, gpus=gpus, labels=labels,
+                              name=env.get(Env.TASK_NAME) or str(attrs.get("Name", "")).lstrip("/"),
+                              image=str(attrs["Config"].get("Image", "")),
+                              on_overrun=env.get(Env.REQUEST_ON_OVERRUN) or None,
+                              priority=int(env.get(Env.REQUEST_PRIORITY) or 0),
+                              preemptible=flag_set(env.get(Env.REQUEST_PREEMPTIBLE)),
+                              queue=flag_set(env.get(Env.REQUEST_QUEUE)))
         except (KeyError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
             raise InvalidRequest(f"container {request.container_id[:12]} asks for no valid GPU memory: {exc}") from None
+        return self.hook_limits.apply(reserve, attrs["Config"].get("Labels"))  # issue 22: a plain run is no operator
 
     def _engine_record(self, container_id: str) -> dict[str, Any]:
         """What the engine wrote for ``container_id`` when it was created; InvalidRequest if it cannot be read."""
@@ -473,7 +480,7 @@ def _caller_code(exc: docker.errors.APIError, *, starting: bool = False) -> str 
     """
     text = str(exc.explanation or "").lower()
     if starting and ("executable file not found" in text or "no such file or directory" in text
-                     or "permission denied" in text and "exec" in text):
+                     or ("permission denied" in text and "exec" in text)):
         return "bad_command"
     status = exc.status_code or 0
     if status == 409:

@@ -56,6 +56,15 @@ def _parser() -> argparse.ArgumentParser:
     node_rm.add_argument("name")
     node_rm.add_argument("--manager-url", help=f"the manager's REST API (default $GPUMGR_MANAGER or {DEFAULT_URL})")
     node_rm.set_defaults(func=run_node_rm_command)
+    guard = sub.add_parser("guard", help="run the guard: the engine's authorization plugin refusing GPUs "
+                           "taken without a grant (foreground)")
+    guard.add_argument("--config", dest="agent_config", metavar="FILE", help="agent YAML settings (guard_*)")
+    guard.add_argument("--socket", dest="guard_socket", help="plugin socket (default "
+                       "/run/docker/plugins/gpumgr-guard.sock; the file name is the plugin's name)")
+    guard.add_argument("--control", dest="guard_control", help="the agent's root-only ticket socket")
+    guard.add_argument("--state", dest="guard_state", help="file remembering the containers gpumgr created")
+    guard.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING, ...")
+    guard.set_defaults(func=run_guard_command)
     from gpumgr.plugin.commands import add_plugin_commands
     from gpumgr.systemd import add_generate_commands
 
@@ -129,6 +138,25 @@ def run_agent_command(args: argparse.Namespace) -> int:
     if agent.failure is not None:
         print(f"gpumgr agent: {agent.failure}", file=sys.stderr)
         return 1
+    return 0
+
+
+def run_guard_command(args: argparse.Namespace) -> int:
+    """``gpumgr guard``: serve the authorization plugin until SIGTERM or SIGINT."""
+    from gpumgr.agent.guard_server import GuardServer, build_guard
+
+    settings = load_settings(AgentSettings, _existing(args.agent_config), guard_socket=args.guard_socket,
+                             guard_control=args.guard_control, guard_state=args.guard_state,
+                             log_level=args.log_level)
+    _logging(settings.log_level)
+    server = GuardServer(build_guard(settings), settings.guard_socket, settings.guard_control).start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"gpumgr guard: plugin {Path(settings.guard_socket).stem} on {settings.guard_socket}, "
+          f"tickets on {settings.guard_control}", flush=True)
+    stop.wait()
+    server.close()
     return 0
 
 
@@ -281,6 +309,7 @@ def build_agent(settings: AgentSettings) -> Any:
     from gpumgr.agent import procmap
     from gpumgr.agent.agent import Agent, build_runtime
     from gpumgr.agent.gpus import open_source
+    from gpumgr.agent.hook_limits import HookLimits
     from gpumgr.agent.identity import load_identity
 
     procmap.set_root(settings.proc_root)
@@ -290,7 +319,8 @@ def build_agent(settings: AgentSettings) -> Any:
     runtime = build_runtime(settings.runtime, lambda m: holder[0].report_change(m), network_mode=settings.network_mode,
                             device_requests=settings.device_requests, gpu_kind=source.kind,
                             log_dir=settings.process_log_dir, mps=settings.mps, node=settings.node,
-                            state_dir=identity.folder)
+                            state_dir=identity.folder, guard_control=settings.guard_control,
+                            hook_limits=HookLimits(settings.hook_tenant, settings.hook_max_priority))
     hook = settings.hook_socket if runtime.kind == "docker" else None
     agent = Agent(settings.node, settings.manager, source, runtime, identity,
                   heartbeat_interval=settings.heartbeat_interval, enforcement=settings.enforcement(),

@@ -38,6 +38,11 @@ class Part:
     after: tuple[str, ...] = ("network-online.target",)
     #: Whether SIGHUP re-reads its settings (``systemctl reload``).
     reloads: bool = False
+    #: Units that must wait for it (the guard starts before the engine that calls it).
+    before: tuple[str, ...] = ()
+    #: A part that keeps one state file instead of a folder: ``--state DIR/FILE``.
+    state_file: str | None = None
+    restart: str = "on-failure"
 
 
 PARTS: dict[str, Part] = {
@@ -45,6 +50,11 @@ PARTS: dict[str, Part] = {
                     reloads=True),
     "agent": Part("gpumgr agent: runs, meters and enforces GPU containers on this host", ("agent",), "gpumgr-agent",
                   after=("network-online.target", "docker.service")),
+    # the engine calls it on every request: it starts first and always comes back (see plugin/guard_install.py)
+    "guard": Part("gpumgr guard: the Docker engine's authorization plugin refusing GPUs taken without a grant",
+                  ("guard", "--socket", "/run/docker/plugins/gpumgr-guard.sock"), "gpumgr-guard",
+                  after=("local-fs.target",), before=("docker.service",), state_file="guard-state.json",
+                  restart="always"),
 }
 
 
@@ -83,14 +93,17 @@ def command_path() -> list[str]:
 def unit(name: str, config: str | None = None, state_dir: str | None = None, env_file: str | None = None) -> str:
     """The text of the systemd unit for part ``name``: settings come from ``config`` and ``env_file``."""
     part = PARTS[name]
-    argv = [*command_path(), *part.command, "--state-dir", state_dir or f"/var/lib/{part.state_directory}"]
+    folder = state_dir or f"/var/lib/{part.state_directory}"
+    argv = [*command_path(), *part.command, *(["--state", f"{folder}/{part.state_file}"] if part.state_file
+                                                else ["--state-dir", folder])]
     if config:
         argv += ["--config", str(Path(config).absolute())]
     after = " ".join(part.after)
     lines = [f"# gpumgr-{name}.service, written by: gpumgr generate systemd {name}",
              f"# install: save as {UNIT_DIR}/gpumgr-{name}.service, then systemctl daemon-reload && "
              f"systemctl enable --now gpumgr-{name}",
-             "[Unit]", f"Description={part.description}", f"After={after}", f"Wants={after}", "",
+             "[Unit]", f"Description={part.description}", f"After={after}", f"Wants={after}",
+             *([f"Before={' '.join(part.before)}"] if part.before else []), "",
              "[Service]", "Type=simple", f"ExecStart={shlex.join(argv)}"]
     if part.reloads:
         lines.append("ExecReload=/bin/kill -HUP $MAINPID")
@@ -98,7 +111,7 @@ def unit(name: str, config: str | None = None, state_dir: str | None = None, env
         lines += [f"StateDirectory={part.state_directory}", "StateDirectoryMode=0700"]
     if env_file:
         lines.append(f"EnvironmentFile={Path(env_file).absolute()}")
-    lines += ["Environment=PYTHONUNBUFFERED=1", "Restart=on-failure", f"RestartSec={RESTART_SEC}",
+    lines += ["Environment=PYTHONUNBUFFERED=1", f"Restart={part.restart}", f"RestartSec={RESTART_SEC}",
               "KillSignal=SIGTERM", "KillMode=mixed", f"TimeoutStopSec={STOP_TIMEOUT}", "",
               "[Install]", "WantedBy=multi-user.target", ""]
     return "\n".join(lines)

@@ -10,6 +10,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
+from gpumgr.manager.hook_policy import hook_tenant  # issue 22
 from gpumgr.manager.records import Container, PlacementSpec
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.errors import AgentFailed, GpumgrError, NotFound
@@ -152,7 +153,8 @@ class Inbound:
             )
             try:
                 record, _ = self.cluster.submit(spec, queue=request.queue, queue_timeout=defaults.HOOK_QUEUE_TIMEOUT
-                                                if request.queue else None)
+                                                if request.queue else None,
+                                                tenant=hook_tenant(self.manager.tenants, request))  # issue 22
                 if record.state is State.QUEUED:
                     with self._waiters_lock:
                         self._hook_waiters[record.id] = (request.node, reply_to)

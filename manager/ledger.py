@@ -9,6 +9,7 @@ never be handed the same bytes. :meth:`Ledger.check` states the invariant over t
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 
@@ -17,6 +18,8 @@ from gpumgr.manager.scheduler import FreeIndex
 from gpumgr.wire import defaults
 from gpumgr.wire.names import LIVE, State
 from gpumgr.wire.protocol import GpuInfo
+
+log = logging.getLogger(__name__)
 
 
 class Ledger:
@@ -37,6 +40,9 @@ class Ledger:
         #: live preemptible records: preemption is only planned while there are some
         self.preemptible: set[str] = set()
         self._capacity: dict[tuple[int, str | None], int] = {}
+        #: GPUs a node re-registered smaller than the grants on them (the hardware changed under running
+        #: containers): their overbooking is the node's truth, nothing more is granted there until it fits
+        self.shrunk: set[str] = set()
 
     # --- grants --------------------------------------------------------------------------------
     def grant(self, record: Container) -> None:
@@ -91,6 +97,13 @@ class Ledger:
             gpu = Gpu(info.uuid, node, info.index, info.memory_total, headroom=self.headroom, name=info.name)
             self.gpus[info.uuid] = gpu
         gpu.index, gpu.total, gpu.name = info.index, info.memory_total, info.name
+        if gpu.reserved > gpu.total - gpu.headroom:
+            if gpu.uuid not in self.shrunk:
+                log.warning("GPU %s of node %s now reports %d bytes, less than the %d its live grants hold",
+                            gpu.uuid, node, gpu.total, gpu.reserved)
+            self.shrunk.add(gpu.uuid)
+        else:
+            self.shrunk.discard(gpu.uuid)
         return gpu
 
     def set_node(self, node: Node) -> None:
@@ -173,7 +186,7 @@ class Ledger:
                     held += record.held
             if held != gpu.reserved:
                 found.append(f"GPU {gpu.uuid} shows {gpu.reserved} reserved; its holders hold {held}")
-            if held and held > gpu.total - gpu.headroom:
+            if held and held > gpu.total - gpu.headroom and gpu.uuid not in self.shrunk:
                 found.append(f"GPU {gpu.uuid} is over-granted: {held} of {gpu.total - gpu.headroom}")
         for record in self.records.values():
             if record.state in LIVE:

@@ -77,7 +77,7 @@ from gpumgr.plugin.engine import reload_and_check
 from gpumgr.plugin.engine import status as engine_status
 from gpumgr.plugin.files import Change, apply, mode_of, read_bytes, sha256_of
 from gpumgr.plugin.hook import CONFIG as RUNTIME_CONFIG
-from gpumgr.plugin.hook import DEFAULT_SOCKET, REQUEST_MEMORY, RUNTIME_CANDIDATES, SEARCH_PATH
+from gpumgr.plugin.hook import DEFAULT_SOCKET, GPU_SPEC_PATTERN, REQUEST_MEMORY, RUNTIME_CANDIDATES, SEARCH_PATH
 from gpumgr.wire.names import Env
 
 PACKAGE = "gpumgr"
@@ -134,7 +134,7 @@ if [ "$command" = create ]; then
     case "$arg" in --bundle=*) bundle=${{arg#--bundle=}} ;; esac
     previous=$arg
   done
-  if grep -q '"{marker}=' "$bundle/config.json" 2>/dev/null; then
+  if grep -qE '"{marker}=|{gpu_pattern}' "$bundle/config.json" 2>/dev/null; then
     if [ ! -x {python} ]; then
       # the Python install used has moved or gone: fail this create as runc fails one, and say why
       echo {missing_q} >&2
@@ -354,7 +354,8 @@ def _plan_install(args: argparse.Namespace) -> tuple[list[Change], list[str], bo
         missing_q=shlex.quote(hook_missing), missing_json_q=shlex.quote(json.dumps({"level": "error",
                                                                                   "msg": hook_missing})),
         config_env=Env.RUNTIME_CONFIG, runc_env=Env.RUNC,
-        marker=REQUEST_MEMORY, code=shlex.quote(launcher_code(HOOK_MODULE, HOOK_IMPORTS, HOOK_EAGER)))
+        marker=REQUEST_MEMORY, code=shlex.quote(launcher_code(HOOK_MODULE, HOOK_IMPORTS, HOOK_EAGER)),
+        gpu_pattern=GPU_SPEC_PATTERN)  # issue 22: a GPU spec without a request goes to the hook, which checks its grant
     cli_text = CLI_LAUNCHER.format(mark=MARK, python=python, metadata=json.dumps(METADATA),
                                    missing_q=shlex.quote(MISSING_PYTHON.format(program="docker gpu",
                                                                                python=sys.executable)),

@@ -229,6 +229,9 @@ class Reserve(Message):
     preemptible: bool = False
     #: wait in the manager's queue for room (the task's container waits in its create) instead of failing
     queue: bool = False
+    #: the tenant a plain ``docker run``'s hook request counts against (the agent's ``hook_tenant``); a
+    #: Swarm task's is empty: it acts as the operator
+    tenant: str = Field(default="", max_length=128)
 
 
 class ErrorBody(_Model):
