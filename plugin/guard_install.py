@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from gpumgr.plugin import install
+from gpumgr.plugin.daemon_config import parse_daemon_json
+from gpumgr.plugin.engine import signal_reload
 from gpumgr.plugin.files import Change, apply, mode_of, read_bytes, sha256_of
 
 PLUGIN = "gpumgr-guard"
@@ -63,6 +65,11 @@ WantedBy=multi-user.target docker.service
 
 #: The engine ``--docker-host`` names when it is not given (install's option, shared).
 DOCKER_HOST = "unix:///var/run/docker.sock"
+
+
+def _reload(pidfile: Path) -> str:
+    """SIGHUP to dockerd (a reload, never a restart), and what came of it."""
+    return signal_reload(pidfile) or "sent SIGHUP to dockerd: it loads daemon.json now (no restart needed)"
 
 
 class Refused(Exception):
@@ -104,7 +111,7 @@ def install_command(args: argparse.Namespace) -> int:
     if _change_daemon_json("install", _add_to_daemon_json, args, name) is None:
         return 2
     if args.reload:
-        print(install._reload(Path(args.dockerd_pidfile)))
+        print(_reload(Path(args.dockerd_pidfile)))
     else:
         print(f"the engine uses the guard once it reloads {args.daemon_config}: systemctl reload docker "
               "(a reload, no restart)")
@@ -120,7 +127,7 @@ def uninstall_command(args: argparse.Namespace) -> int:
     if notes is None:
         return 2
     if notes:
-        print(install._reload(Path(args.dockerd_pidfile)))
+        print(_reload(Path(args.dockerd_pidfile)))
         if not _wait_unlisted(args.docker_host or DOCKER_HOST, name):
             print(f"gpumgr plugin uninstall: the engine still lists {name} after {RELOAD_WAIT:g}s; the guard is "
                   "left running (stopping it now would block every docker call)", file=sys.stderr)
@@ -223,7 +230,7 @@ class UnixConnection(http.client.HTTPConnection):
 
 def _add_to_daemon_json(daemon: Path, state_file: Path, name: str) -> list[str]:
     raw = read_bytes(daemon)
-    config = install._parse_daemon_json(raw, daemon)
+    config = parse_daemon_json(raw, daemon)
     plugins = list(config.get("authorization-plugins") or [])
     if name in plugins:
         return [f"{daemon} already names {name} in authorization-plugins"]
@@ -236,7 +243,7 @@ def _add_to_daemon_json(daemon: Path, state_file: Path, name: str) -> list[str]:
 
 def _remove_from_daemon_json(daemon: Path, state_file: Path, name: str) -> list[str]:
     raw = read_bytes(daemon)
-    config = install._parse_daemon_json(raw, daemon)
+    config = parse_daemon_json(raw, daemon)
     if name not in (config.get("authorization-plugins") or []):
         return []
     state = _read_state(state_file)

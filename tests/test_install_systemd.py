@@ -69,12 +69,15 @@ def test_the_unit_has_what_systemd_needs(capsys: pytest.CaptureFixture[str], par
     service = unit["Service"]
     argv = shlex.split(service["ExecStart"])
     assert Path(argv[0]).is_absolute() and PARTS[part].command[0] in argv
-    assert argv[argv.index("--config") + 1] == str(config) and "--state-dir" in argv
-    assert service["Restart"] == "on-failure" and service["StateDirectory"] == PARTS[part].state_directory
+    assert argv[argv.index("--config") + 1] == str(config)
+    assert ("--state" if PARTS[part].state_file else "--state-dir") in argv
+    assert service["Restart"] == PARTS[part].restart and service["StateDirectory"] == PARTS[part].state_directory
     assert service["KillMode"] == "mixed" and int(service["TimeoutStopSec"]) == STOP_TIMEOUT
     assert unit["Install"]["WantedBy"] == "multi-user.target"
     if part == "agent":
         assert "docker.service" in unit["Unit"]["After"].split()
+    if part == "guard":  # the engine calls it on every request: it comes first and always comes back
+        assert unit["Unit"]["Before"] == "docker.service" and service["Restart"] == "always"
 
 
 @pytest.mark.parametrize("part", sorted(PARTS))
