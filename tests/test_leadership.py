@@ -103,7 +103,7 @@ def test_leader_killed_another_leads_with_a_higher_epoch(etcd, campaigners) -> N
     leader.signal(signal.SIGKILL)
     leader.popen.wait(10)
     survivors = [p for p in procs if p is not leader]
-    successor, new_epoch = one_leader(survivors)
+    _, new_epoch = one_leader(survivors)
     assert new_epoch > epoch and new_epoch.generation == epoch.generation
 
 
