@@ -38,11 +38,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import ROOT, machine, machine_line, save, summary, table, wait_for  # noqa: E402
-from gpumgr.manager.leadership import LEASE_TTL, Leadership  # noqa: E402
-from gpumgr.manager.store import FileStore, Store  # noqa: E402
-from gpumgr.manager.store_etcd import EtcdStore  # noqa: E402
-from tests.etcd import EtcdCluster  # noqa: E402
+from bench.harness import ROOT, machine, machine_line, save, summary, table, wait_for
+from gpumgr.manager.leadership import LEASE_TTL, Leadership
+from gpumgr.manager.store import FileStore, Store
+from gpumgr.manager.store_etcd import EtcdStore
+from tests.etcd import EtcdCluster
 
 
 class Campaigner:
@@ -79,12 +79,13 @@ def failover(folder: Path, trials: int) -> dict[str, list[float]]:
     try:
         for trial in range(2 * trials):
             kind = "kill" if trial % 2 == 0 else "term"
-            leader = wait_for(lambda: _sole_leader(procs), 10 * LEASE_TTL, what="one leader")
+            leader = wait_for(lambda now=procs: _sole_leader(now), 10 * LEASE_TTL, what="one leader")
             time.sleep(random.uniform(0.0, 1.0))
             signalled = time.time()
             leader.popen.send_signal(signal.SIGKILL if kind == "kill" else signal.SIGTERM)
             others = [p for p in procs if p is not leader]
-            elected = wait_for(lambda: _elected_after(others, signalled), 10 * LEASE_TTL, what="the next leader")
+            elected = wait_for(lambda rest=others, at=signalled: _elected_after(rest, at), 10 * LEASE_TTL,
+                               what="the next leader")
             times[kind].append(elected - signalled)
             print(f"  trial {trial + 1:2d} {kind}: {elected - signalled:.3f} s", flush=True)
             leader.close()
