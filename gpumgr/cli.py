@@ -17,6 +17,7 @@ from gpumgr.agent.config import AgentSettings
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.wire import defaults
 from gpumgr.wire.config import load_settings, split_hostport
+from gpumgr.wire.errors import GpumgrError
 
 log = logging.getLogger("gpumgr")
 DEFAULT_URL = f"http://{defaults.API_HOST}:{defaults.API_PORT}"
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status: int = args.func(args)
         return status
-    except (ValidationError, ValueError, OSError) as exc:
+    except (ValidationError, ValueError, OSError, GpumgrError) as exc:  # e.g. an etcd store that does not answer
         print(f"gpumgr: {exc}", file=sys.stderr)
         return 2
 
