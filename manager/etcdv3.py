@@ -127,6 +127,11 @@ class EtcdClient:
         self._current = 0
         self._local = threading.local()
 
+    @property
+    def current(self) -> str:
+        """The endpoint the next call goes to first (the one that last answered)."""
+        return self.endpoints[self._current]
+
     # --- key-value ---------------------------------------------------------------------------
     def get(self, key: bytes) -> KeyValue | None:
         """The key's current value and revisions, or None when absent."""

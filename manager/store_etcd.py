@@ -69,7 +69,8 @@ class EtcdStore(Store):
     def nodes(self) -> dict[str, str]:
         """Every ``nodes/<name>`` key."""
         start = len(self.key("nodes", ""))
-        return {kv.key[start:].decode(): kv.value.decode() for kv in self.client.get_prefix(self.key("nodes", ""))}
+        return {kv.key[start:].decode(errors="replace"): kv.value.decode(errors="replace")
+                for kv in self.client.get_prefix(self.key("nodes", ""))}
 
     def bind(self, node: str, key: str) -> None:
         """Write ``nodes/<node>``, fenced."""
@@ -104,9 +105,14 @@ class EtcdStore(Store):
 
     # --- the wait queue ------------------------------------------------------------------------
     def queued(self) -> list[dict[str, Any]]:
-        """Every ``queue/<id>`` request, in the order their keys were created."""
-        kvs = sorted(self.client.get_prefix(self.key("queue", "")), key=lambda kv: kv.create_revision)
-        return [_load(kv.value, kv.key) for kv in kvs]
+        """Every ``queue/<id>`` request, in the order their keys were created; an unreadable one is skipped."""
+        queued = []
+        for kv in sorted(self.client.get_prefix(self.key("queue", "")), key=lambda kv: kv.create_revision):
+            try:
+                queued.append(_load(kv.value, kv.key))
+            except ValueError as exc:  # as the state directory's journal does with a torn line
+                log.warning("%s; skipped", exc)
+        return queued
 
     def enqueue(self, request: dict[str, Any]) -> None:
         """Write ``queue/<id>``, fenced."""

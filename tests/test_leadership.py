@@ -137,6 +137,18 @@ def test_one_etcd_member_killed_changes_nothing(etcd3, campaigners) -> None:
     assert len(leader.events("lost")) == 0
 
 
+def test_a_paused_member_is_passed_over_after_the_request_timeout(etcd3) -> None:
+    client = EtcdClient(etcd3.endpoints)
+    assert client.get(b"k") is None
+    paused = etcd3.members[0].popen
+    paused.send_signal(signal.SIGSTOP)
+    try:
+        client.txn([], [{"request_put": {"key": "aw==", "value": "dg=="}}])  # k = v, through a live member
+        assert client.get(b"k") is not None and client.current != etcd3.members[0].url
+    finally:
+        paused.send_signal(signal.SIGCONT)
+
+
 def test_quorum_lost_leader_steps_down_and_leadership_returns(etcd3, campaigners) -> None:
     procs = campaigners(etcd3, "a", "b")
     leader, epoch = one_leader(procs)

@@ -152,3 +152,19 @@ def test_deposed_leaders_writes_are_refused_by_etcd(etcd) -> None:
         assert current.join_secret() == secret and current.reserve_event_ids(1).start == 1
     finally:
         new.stop()
+
+
+def test_an_unreadable_queue_entry_is_skipped_not_fatal(etcd) -> None:
+    """Whoever can write to etcd can break a value; the manager still loads the rest, as from a torn journal."""
+    from gpumgr.manager import etcdv3
+
+    leadership = leading(etcd)
+    try:
+        store = EtcdStore(etcd.client(), leadership.guard)
+        store.enqueue({"id": "c1"})
+        etcd.client().txn([], [etcdv3.put(store.key("queue", "bad"), b"{not json")])
+        etcd.client().txn([], [etcdv3.put(store.key("queue", "list"), b"[1, 2]")])
+        store.enqueue({"id": "c2"})
+        assert [r["id"] for r in store.queued()] == ["c1", "c2"]
+    finally:
+        leadership.stop()
