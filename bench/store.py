@@ -24,50 +24,23 @@ quorum that fsyncs its log) with one member and with three, in ``--rounds`` inte
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import ROOT, machine, machine_line, save, summary, table, wait_for
+from bench.harness import machine, machine_line, save, summary, table, wait_for
 from gpumgr.manager.leadership import LEASE_TTL, Leadership
 from gpumgr.manager.store import FileStore, Store
 from gpumgr.manager.store_etcd import EtcdStore
+from tests.campaigner import CampaignerProc as Campaigner
 from tests.etcd import EtcdCluster
-
-
-class Campaigner:
-    """One ``tests.campaigner`` process; its stdout lines are its role changes."""
-
-    def __init__(self, folder: Path, name: str, endpoints: list[str]) -> None:
-        self.name = name
-        self.path = folder / f"{name}.log"
-        self._out = open(self.path, "wb")  # noqa: SIM115 - closed in close()
-        self.popen = subprocess.Popen([sys.executable, "-m", "tests.campaigner", name, ",".join(endpoints)],
-                                      cwd=ROOT, stdout=self._out, stderr=subprocess.DEVNULL, start_new_session=True)
-
-    def roles(self) -> list[dict[str, Any]]:
-        lines = self.path.read_text(errors="replace").splitlines()
-        return [e for e in (json.loads(x) for x in lines if x.startswith("{")) if e["event"] in ("elected", "lost")]
-
-    def leads(self) -> bool:
-        roles = self.roles()
-        return bool(roles) and roles[-1]["event"] == "elected"
-
-    def close(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-        self.popen.wait(10)
-        self._out.close()
 
 
 def failover(folder: Path, trials: int) -> dict[str, list[float]]:
@@ -88,11 +61,11 @@ def failover(folder: Path, trials: int) -> dict[str, list[float]]:
                                what="the next leader")
             times[kind].append(elected - signalled)
             print(f"  trial {trial + 1:2d} {kind}: {elected - signalled:.3f} s", flush=True)
-            leader.close()
+            leader.stop()
             procs = [*others, Campaigner(folder, f"c{next(serial)}", cluster.endpoints)]
     finally:
         for proc in procs:
-            proc.close()
+            proc.stop()
         cluster.stop()
     return times
 
@@ -103,7 +76,7 @@ def _sole_leader(procs: list[Campaigner]) -> Campaigner | None:
 
 
 def _elected_after(procs: list[Campaigner], since: float) -> float | None:
-    found = [e["time"] for p in procs for e in p.roles() if e["event"] == "elected" and e["time"] > since]
+    found = [e["time"] for p in procs for e in p.events("elected") if e["time"] > since]
     return min(found) if found else None
 
 

@@ -2,57 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
-from typing import Any
 
 import pytest
 
 from gpumgr.manager.etcdv3 import EtcdClient, StoreUnavailable
 from gpumgr.manager.leadership import LEASE_TTL
 from gpumgr.wire.epoch import Epoch
-from tests.procs import ROOT, wait_for
+from tests.campaigner import CampaignerProc as Campaigner
+from tests.procs import wait_for
 
 #: Liveness bound for a failover (not a timing claim: bench/store.py measures it): several lease TTLs.
 FAILOVER_BOUND = 5 * LEASE_TTL
-
-
-class Campaigner:
-    """``python -m tests.campaigner`` as a child process; its JSON lines are its events."""
-
-    def __init__(self, tmp: Path, name: str, endpoints: list[str]) -> None:
-        self.name = name
-        self.path = tmp / f"campaigner-{name}.log"
-        self._out = open(self.path, "ab")  # noqa: SIM115 - closed in stop()
-        self.popen = subprocess.Popen([sys.executable, "-m", "tests.campaigner", name, ",".join(endpoints)],
-                                      cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
-        found = []
-        for line in self.path.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                event = json.loads(line)
-                if kind is None or event["event"] == kind:
-                    found.append(event)
-        return found
-
-    def signal(self, sig: int) -> None:
-        self.popen.send_signal(sig)
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGCONT)
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
-        self._out.close()
 
 
 @pytest.fixture
@@ -71,12 +33,7 @@ def campaigners(tmp_path):
 
 def leaders(procs: list[Campaigner]) -> list[tuple[Campaigner, Epoch]]:
     """Campaigners whose last role event is ``elected``, with that epoch."""
-    found = []
-    for proc in procs:
-        roles = [e for e in proc.events() if e["event"] in ("elected", "lost")]
-        if roles and roles[-1]["event"] == "elected":
-            found.append((proc, Epoch.from_wire(roles[-1]["epoch"])))
-    return found
+    return [(proc, Epoch.from_wire(proc.events("elected")[-1]["epoch"])) for proc in procs if proc.leads()]
 
 
 def one_leader(procs: list[Campaigner], other_than: Epoch | None = None) -> tuple[Campaigner, Epoch]:
