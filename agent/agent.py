@@ -68,7 +68,7 @@ class Agent:
         self._relay: HookRelay | None = None
         self._backoff, self._next_register, self._next_beat = defaults.RECONNECT_MIN, 0.0, 0.0
         hooks = LinkHooks(on_tick=self._tick, descriptors=self._descriptors, on_ready=self._on_ready,
-                          on_stop=self._on_stop)
+                          on_stop=self._on_stop, screen=self._screen)
         self.link = Link(zmq.DEALER, self.managers.current, self._handle, bind=False, configure=self._configure,
                          tick=defaults.LINK_TICK, hooks=hooks, name="agent-link")
         self.enforcer = None if enforcement is None else Enforcer(source, self.devices, runtime, self.report_overrun,
@@ -164,17 +164,17 @@ class Agent:
         self.link.reconnect(self.managers.advance(why))
         self._backoff, self._next_register = defaults.RECONNECT_MIN, 0.0
 
-    def _fenced_out(self, envelope: protocol.Envelope, message: protocol.Message) -> bool:
-        """True (after refusing it) when ``message`` comes from a manager older than the leader this agent follows."""
+    def _screen(self, envelope: protocol.Envelope, message: protocol.Message) -> Exception | None:
+        """Refuse (and drop) any frame, replies included, from a manager older than the leader this agent follows."""
         try:
             self.fence.admit(None if envelope.epoch is None else Epoch(*envelope.epoch))
-            return False
+            return None
         except StaleEpoch as exc:
             log.warning("%s (a %s message dropped)", exc.message, envelope.type)
             if isinstance(message, protocol.Create | protocol.Remove | protocol.Resize):
                 error = protocol.ErrorBody(code=exc.code, message=exc.message)
                 self.link.send(MANAGER, protocol.Reply(ok=False, error=error), reply_to=envelope.id)
-            return True
+            return exc
 
     def _fail(self, reason: str) -> None:
         log.error("%s", reason)
@@ -194,8 +194,6 @@ class Agent:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _handle(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Message) -> None:
-        if self._fenced_out(envelope, message):
-            return
         if isinstance(message, protocol.Registered):
             self.interval = message.heartbeat_interval
             self.managers.answered()

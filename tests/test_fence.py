@@ -134,6 +134,45 @@ def test_a_real_agent_refuses_older_epochs_across_its_restart(tmp_path) -> None:
         manager.link.stop()
 
 
+def test_a_reply_from_a_deposed_leader_fails_the_request_at_once(tmp_path) -> None:
+    """Not only commands: a grant answered by a deposed leader (a Swarm task's reserve) never reaches the hook."""
+    import zmq
+
+    from gpumgr.wire import security
+    from gpumgr.wire.link import Link, LinkHooks
+
+    keys = security.KeyPair.generate()
+    epoch: list[Epoch] = [OLD]
+
+    def answer(peer: Peer, head: protocol.Envelope, message: protocol.Message) -> None:
+        server.send(peer.routing_id, protocol.Reply(ok=True, result={"grant": "g1"}), reply_to=head.id)
+
+    server = ManagerLink("tcp://127.0.0.1:0", answer, keys, epoch=lambda: epoch[0])
+    server.start()
+    fence = Fence(tmp_path)
+    fence.admit(NEW)
+
+    def screen(head: protocol.Envelope, message: protocol.Message) -> Exception | None:
+        try:
+            fence.admit(None if head.epoch is None else Epoch(*head.epoch))
+        except StaleEpoch as exc:
+            return exc
+        return None
+
+    client = Link(zmq.DEALER, server.bound_endpoint, lambda *_: None, bind=False, hooks=LinkHooks(screen=screen),
+                  configure=lambda s: security.connect_curve(s, security.KeyPair.generate(), keys.public))
+    client.start()
+    try:
+        reserve = protocol.Reserve(container_id="c" * 64, gpu_memory=1 << 30)
+        refused = client.request_async(b"", reserve, 30).exception(10)  # failed at once, not after 30 s
+        assert isinstance(refused, StaleEpoch)
+        epoch[0] = NEW
+        assert client.request(b"", reserve, 10).result == {"grant": "g1"}
+    finally:
+        client.stop()
+        server.stop()
+
+
 # --- real managers: an agent given several addresses follows the one that answers -----------------
 class Both:
     """Looks like one ManagerProc to AgentProc, but gives the agent several addresses."""

@@ -61,13 +61,16 @@ class LinkHooks:
 
     ``on_tick`` runs every loop and returns how many seconds may pass before it must run again
     (None: the link's default tick). ``descriptors`` lists plain file descriptors to watch for input
-    as well, and ``on_ready`` gets those that were readable.
+    as well, and ``on_ready`` gets those that were readable. ``screen`` sees every decoded frame
+    first, replies included, and returns an error to drop it (a request waiting for that reply fails
+    with the error at once), or None to let it through.
     """
 
     on_tick: Callable[[], float | None] | None = None
     descriptors: Callable[[], set[int]] | None = None
     on_ready: Callable[[set[int]], None] | None = None
     on_stop: Callable[[], None] | None = None
+    screen: Callable[[protocol.Envelope, protocol.Message], Exception | None] | None = None
 
 
 @dataclass
@@ -331,6 +334,11 @@ class Link:
             envelope, message = protocol.decode(parts[-1].bytes)
         except ProtocolError as exc:
             log.warning("dropped a malformed message from %r: %s", peer.routing_id, exc)
+            return
+        refused = self._hooks.screen(envelope, message) if self._hooks.screen is not None else None
+        if refused is not None:
+            if isinstance(message, protocol.Reply) and envelope.reply_to:
+                self._fail(envelope.reply_to, refused)
             return
         if isinstance(message, protocol.Reply) and self._resolve(peer, envelope, message):
             return
