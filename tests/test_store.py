@@ -72,6 +72,19 @@ def test_event_ids_rise_across_restarts_one_write_per_block(tmp_path) -> None:
     assert later.next() == 10
 
 
+def test_event_log_ids_keep_rising_across_a_restart(tmp_path) -> None:
+    from gpumgr.manager.events import EventLog
+    from gpumgr.wire.names import EventType
+
+    kind = next(iter(EventType))
+    first = EventLog(ids=EventIds(FileStore(tmp_path / "state"), block=5).next)
+    before = [first.record(kind, "x")["id"] for _ in range(3)]
+    again = EventLog(ids=EventIds(FileStore(tmp_path / "state"), block=5).next)
+    after = again.record(kind, "y")["id"]
+    assert before == [1, 2, 3] and after > before[-1]
+    assert [e["id"] for e in EventLog().since()] == [] and EventLog().record(kind, "z")["id"] == 1
+
+
 def test_etcd_store_round_trip(etcd) -> None:
     leadership = leading(etcd)
     try:
