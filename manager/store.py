@@ -84,6 +84,10 @@ class Store(ABC):
     def sync(self) -> None:  # noqa: B027 - a backend whose writes are durable at once has nothing to do
         """Make every queue change so far durable."""
 
+    def compact_queue(self, queued: list[dict[str, Any]]) -> bool:
+        """Rewrite the queue's record as exactly ``queued`` if it has grown well past it; True if it did."""
+        return False
+
     # --- event ids -----------------------------------------------------------------------------
     @abstractmethod
     def reserve_event_ids(self, count: int) -> range:
@@ -152,6 +156,13 @@ class FileStore(Store):
     def sync(self) -> None:
         """fsync ``queue.jsonl``."""
         self._journal.sync()
+
+    def compact_queue(self, queued: list[dict[str, Any]]) -> bool:
+        """Rewrite ``queue.jsonl`` whole (atomically) once it holds far more lines than the queue."""
+        if not self._journal.needs_compaction(len(queued)):
+            return False
+        self._journal.rewrite(queued)
+        return True
 
     def reserve_event_ids(self, count: int) -> range:
         """Move ``event_ids.json``'s high-water mark up by ``count`` before handing out the ids below it."""

@@ -62,6 +62,25 @@ def test_file_store_reads_what_a_single_manager_wrote(tmp_path) -> None:
     assert Admission(tmp_path / "state").nodes() == {"gpu1": "K1"}
 
 
+def test_file_store_compacts_its_queue_journal(tmp_path, monkeypatch) -> None:
+    from gpumgr.wire import defaults
+
+    monkeypatch.setattr(defaults, "QUEUE_JOURNAL_SLACK", 10)
+    store = FileStore(tmp_path / "state")
+    for n in range(30):
+        store.enqueue({"id": f"c{n}"})
+        if n % 3:
+            store.dequeue(f"c{n}")
+    store.sync()
+    kept = store.queued()
+    assert [r["id"] for r in kept] == [f"c{n}" for n in range(0, 30, 3)]
+    assert store.compact_queue(kept) is True
+    assert len((tmp_path / "state" / "queue.jsonl").read_text().splitlines()) == len(kept)
+    assert store.compact_queue(kept) is False
+    store.enqueue({"id": "late"})  # appends go on after the rewrite
+    assert [r["id"] for r in FileStore(tmp_path / "state").queued()] == [r["id"] for r in kept] + ["late"]
+
+
 def test_event_ids_rise_across_restarts_one_write_per_block(tmp_path) -> None:
     store = FileStore(tmp_path / "state")
     ids = EventIds(store, block=3)
