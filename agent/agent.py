@@ -47,10 +47,9 @@ class Agent:
     def __init__(self, node: str, endpoint: str, source: GpuSource, runtime: Runtime, identity: Identity, *,
                  heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL,
                  enforcement: EnforcerSettings | None = DEFAULT_ENFORCEMENT, hook_socket: str | None = None,
-                 join_timeout: float = defaults.JOIN_TIMEOUT, fence: Fence | None = None) -> None:
+                 join_timeout: float = defaults.JOIN_TIMEOUT) -> None:
         self.node = node
-        self.managers = ManagerSet(parse_managers(endpoint))
-        self.fence = fence or Fence(identity.folder)
+        self.endpoint = endpoint
         self.source = source
         self.devices = source.devices()
         self.runtime = runtime
@@ -58,6 +57,9 @@ class Agent:
         self.registered = threading.Event()
         self.hook_socket = hook_socket
         self.identity = identity
+        #: the managers given (the leader among them is followed) and the highest leader epoch seen
+        self.managers = ManagerSet(parse_managers(endpoint))
+        self.fence = Fence(identity.folder)
         #: Why the agent stopped on its own (refused by the manager); None while it serves or after stop().
         self.failure: str | None = None
         self._join = identity.join
@@ -73,11 +75,6 @@ class Agent:
                          tick=defaults.LINK_TICK, hooks=hooks, name="agent-link")
         self.enforcer = None if enforcement is None else Enforcer(source, self.devices, runtime, self.report_overrun,
                                                                   enforcement)
-
-    @property
-    def endpoint(self) -> str:
-        """The manager this agent talks to now."""
-        return self.managers.current
 
     # --- called from any thread --------------------------------------------------------------
     def report_change(self, managed: Managed) -> None:
@@ -157,7 +154,7 @@ class Agent:
             return
         self.identity.remember(self.node)
         self._join, self._backoff, self._next_register = None, defaults.RECONNECT_MIN, 0.0
-        log.info("joined the manager at %s as node %s", self.endpoint, self.node)
+        log.info("joined the manager at %s as node %s", self.managers.current, self.node)
 
     def _move_on(self, why: str) -> None:
         """Talk to the next manager given (several were): the one in use is gone or does not lead."""
@@ -199,7 +196,7 @@ class Agent:
             self.managers.answered()
             self.registered.set()
             self._backoff, self._next_beat = defaults.RECONNECT_MIN, 0.0
-            log.info("registered with the manager at %s", self.endpoint)
+            log.info("registered with the manager at %s", self.managers.current)
         elif isinstance(message, protocol.Refused) and message.code == NOT_LEADER and self.managers.several:
             self._move_on(f"it does not lead: {message.message}")
         elif isinstance(message, protocol.Refused):

@@ -6,7 +6,8 @@ request, in the order it was queued) and event ids, reserved in blocks so they k
 restarts and leaders without a write per event.
 
 - :class:`FileStore`: the state directory of one manager, the files it has always used
-  (``nodes.json``, ``join_secret.json``, ``queue.jsonl``) plus ``event_ids.json``; every change is
+  (``nodes.json``, ``join_secret.json``, ``queue.jsonl``, ``event_ids.json``: the highest event id
+  reserved, ``{"ceiling": N}``, the event log's own format); every change is
   on disk (fsynced) before it returns, except queue lines, which :meth:`Store.sync` makes durable so
   a burst of them shares one fsync.
 - :class:`gpumgr.manager.store_etcd.EtcdStore`: the same things in etcd under a prefix, each write a
@@ -30,8 +31,8 @@ from gpumgr.wire.errors import GpumgrError
 NODES_FILE = "nodes.json"
 SECRET_FILE = "join_secret.json"
 EVENT_IDS_FILE = "event_ids.json"
-#: Event ids reserved at once: one store write per this many events.
-EVENT_ID_BLOCK = 1000
+#: Event ids reserved at once: one store write per this many events (as the event log reserves them).
+EVENT_ID_BLOCK = 10_000
 
 
 class Fenced(GpumgrError):
@@ -165,13 +166,13 @@ class FileStore(Store):
         return True
 
     def reserve_event_ids(self, count: int) -> range:
-        """Move ``event_ids.json``'s high-water mark up by ``count`` before handing out the ids below it."""
+        """Raise ``event_ids.json``'s ceiling by ``count`` (durably) before handing out the ids up to it."""
         if count < 1:
             raise ValueError("reserve at least one event id")
         path = self.folder / EVENT_IDS_FILE
         with self._lock:
-            start = int(security.read_private(path).get("next", 1)) if path.exists() else 1
-            security.write_private(path, {"next": start + count})
+            start = int(security.read_private(path).get("ceiling", 0)) + 1 if path.exists() else 1
+            security.write_private(path, {"ceiling": start + count - 1})
         return range(start, start + count)
 
     def close(self) -> None:

@@ -6,7 +6,7 @@ Keys, under a prefix (``/gpumgr/`` by default) so several clusters can share one
 - ``join_secret``: the join secret (JSON ``{"secret"}``);
 - ``queue/<id>``: one queued request (JSON); the queue's order is the keys' create revisions, which
   etcd hands out in the order the writes committed;
-- ``event_ids``: the next event id not yet reserved (JSON ``{"next"}``);
+- ``event_ids``: the highest event id reserved (JSON ``{"ceiling"}``);
 - ``generation`` and ``leader``: written by :mod:`gpumgr.manager.leadership`.
 
 Every write runs as one transaction whose compares are the caller's *guard* (the leader key still
@@ -130,9 +130,9 @@ class EtcdStore(Store):
         path = self.key("event_ids")
         while True:
             found = self.client.get(path)
-            start = int(_load(found.value, path)["next"]) if found else 1
+            start = int(_load(found.value, path)["ceiling"]) + 1 if found else 1
             seen = found.mod_revision if found else 0
-            if self.write([etcdv3.put(path, _dump({"next": start + count}))], [etcdv3.modified_at(path, seen)],
+            if self.write([etcdv3.put(path, _dump({"ceiling": start + count - 1}))], [etcdv3.modified_at(path, seen)],
                           check=False):
                 return range(start, start + count)
 
