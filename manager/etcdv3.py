@@ -12,7 +12,8 @@ lease that is gone answers a keep-alive without a ``TTL``).
 
 Failover: the client sticks to the endpoint that last answered. A refused or timed-out connection,
 or an answer that says the member cannot serve (no leader, not ready: HTTP 5xx), moves it to the next
-endpoint; when every endpoint failed once the call raises :class:`StoreUnavailable`. An answer that
+endpoint; rounds over every endpoint go on for :data:`RETRY_FOR` seconds (etcd's own leader election),
+then the call raises :class:`StoreUnavailable`. An answer that
 is the store's own refusal (a lease not found, a bad request) is raised as :class:`EtcdError` at once.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import base64
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -33,6 +35,10 @@ log = logging.getLogger(__name__)
 
 #: Seconds one gateway call may take before the next endpoint is tried.
 REQUEST_TIMEOUT = 1.0
+#: A call goes on trying the endpoints in turn this long: etcd elects a new leader of its own in about a
+#: second (its default election timeout), during which every member answers "no leader".
+RETRY_FOR = 2.0
+RETRY_PAUSE = 0.1
 #: etcd's default ``--max-txn-ops``: the most operations one transaction may hold.
 MAX_TXN_OPS = 128
 
@@ -116,12 +122,13 @@ def parse_endpoints(text: str) -> list[str]:
 class EtcdClient:
     """Calls etcd's JSON gateway on ``endpoints`` in turn; thread-safe (one ``requests`` session per thread)."""
 
-    def __init__(self, endpoints: list[str], *, timeout: float = REQUEST_TIMEOUT, ca: str | None = None,
-                 cert: tuple[str, str] | None = None) -> None:
+    def __init__(self, endpoints: list[str], *, timeout: float = REQUEST_TIMEOUT, retry_for: float = RETRY_FOR,
+                 ca: str | None = None, cert: tuple[str, str] | None = None) -> None:
         if not endpoints:
             raise ValueError("an etcd client needs at least one endpoint")
         self.endpoints = list(endpoints)
         self.timeout = timeout
+        self.retry_for = retry_for
         self._verify: str | bool = ca if ca else True
         self._cert = cert
         self._current = 0
@@ -179,8 +186,23 @@ class EtcdClient:
 
     # --- transport ---------------------------------------------------------------------------
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """POST ``body`` to ``path`` on the current endpoint, moving on to the next while one fails."""
-        failures = []
+        """POST ``body`` to ``path`` on the current endpoint, moving on to the next while one fails.
+
+        Every endpoint is tried at least once, and the round is repeated until :data:`RETRY_FOR` seconds
+        have passed, so the second or so etcd needs to elect a new leader of its own is ridden out.
+        """
+        failures: list[str] = []
+        deadline = time.monotonic() + self.retry_for
+        while True:
+            answer = self._round(path, body, failures)
+            if answer is not None:
+                return answer
+            if time.monotonic() >= deadline:
+                raise StoreUnavailable("no etcd endpoint answered: " + "; ".join(failures[-len(self.endpoints):]))
+            time.sleep(RETRY_PAUSE)
+
+    def _round(self, path: str, body: dict[str, Any], failures: list[str]) -> dict[str, Any] | None:
+        """Try each endpoint once, from the current one; the first answer, or None (``failures`` says why)."""
         for _ in range(len(self.endpoints)):
             index = self._current
             endpoint = self.endpoints[index]
@@ -191,7 +213,7 @@ class EtcdClient:
                 if self._current == index:
                     self._current = (index + 1) % len(self.endpoints)
                 log.info("etcd endpoint %s failed (%s); trying the next", endpoint, exc.message)
-        raise StoreUnavailable("no etcd endpoint answered: " + "; ".join(failures))
+        return None
 
     def _post(self, endpoint: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:

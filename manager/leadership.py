@@ -128,7 +128,7 @@ class Leadership:
         """Stop the loop; with ``resign``, give the key up at once (revoke the lease) so another leads now."""
         self._stopping.set()
         if self._thread is not None:
-            self._thread.join(self.client.timeout * len(self.client.endpoints) + 1)
+            self._thread.join(self.client.retry_for + self.client.timeout * len(self.client.endpoints) + 1)
         if resign:
             self.step_down("stopped")
 
@@ -207,7 +207,9 @@ class Leadership:
         with self._lock:
             if self._epoch == epoch:
                 self._deadline = sent + granted - SAFETY_MARGIN
-        return RENEW_EVERY
+            left = self._deadline - time.monotonic()
+        # a renewal that took long (etcd electing a leader of its own) leaves little lease: renew again soon
+        return min(RENEW_EVERY, max(0.0, left / 2))
 
     def _generation(self) -> tuple[int, bytes]:
         """This store's generation, written once by whichever manager comes first."""

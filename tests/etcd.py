@@ -95,10 +95,19 @@ class EtcdCluster:
             if not member.running:
                 continue
             try:
-                EtcdClient([member.url]).get(b"health")
+                EtcdClient([member.url], retry_for=0).get(b"health")
             except EtcdError:
                 return False
         return True
+
+    def raft_leader(self) -> Member:
+        """The member etcd's own Raft elected leader (the one whose loss costs an election)."""
+        for member in self.members:
+            if member.running:
+                status = EtcdClient([member.url], retry_for=0).status()
+                if status["header"]["member_id"] == status.get("leader"):
+                    return member
+        raise AssertionError("no running etcd member says it leads")
 
     def stop(self) -> None:
         """kill -9 every member (their data folders go with the test's tmp_path)."""
