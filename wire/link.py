@@ -135,6 +135,19 @@ class Link:
         """Whether :meth:`stop` was called."""
         return self._stop.is_set()
 
+    def reconnect(self, endpoint: str) -> None:
+        """Point a connecting link at ``endpoint`` instead (done by the owner thread before it next sends)."""
+        self._retarget = endpoint
+        self._poke()
+
+    def unreachable_for(self) -> float:
+        """Seconds since frames last failed to leave, counted from the first failure; 0 while they leave."""
+        since = self._unreachable_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def _stamp(self) -> Epoch | None:
+        return None if self._epoch is None else self._epoch()
+
     def send(self, peer: bytes, message: protocol.Message, *, reply_to: str | None = None) -> None:
         """Queue ``message`` for ``peer`` (a routing id; ``b""`` on a DEALER); never blocks."""
         self.send_frame(peer, protocol.encode(message, reply_to=reply_to, epoch=self._stamp()))
@@ -152,19 +165,6 @@ class Link:
             self._pending[msg_id] = _Pending(future, peer, time.monotonic() + timeout, message.TYPE)
         self.send_frame(peer, protocol.encode(message, msg_id=msg_id, epoch=self._stamp()), msg_id)
         return future
-
-    def reconnect(self, endpoint: str) -> None:
-        """Point a connecting link at ``endpoint`` instead (done by the owner thread before it next sends)."""
-        self._retarget = endpoint
-        self._poke()
-
-    def unreachable_for(self) -> float:
-        """Seconds since frames last failed to leave, counted from the first failure; 0 while they leave."""
-        since = self._unreachable_since
-        return 0.0 if since is None else time.monotonic() - since
-
-    def _stamp(self) -> Epoch | None:
-        return None if self._epoch is None else self._epoch()
 
     def fail_peer(self, peer: bytes, error: Exception) -> int:
         """Fail every request waiting on ``peer`` at once (its process is gone); return how many."""
