@@ -17,9 +17,12 @@ from gpumgr.agent.config import AgentSettings
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.wire import defaults
 from gpumgr.wire.config import load_settings, split_hostport
+from gpumgr.wire.errors import GpumgrError
 
 log = logging.getLogger("gpumgr")
 DEFAULT_URL = f"http://{defaults.API_HOST}:{defaults.API_PORT}"
+NOT_WIRED = ("--store: several managers on etcd are experimental, and the manager does not run on the etcd store "
+             "yet; 'gpumgr store status --store URL' reads one. Run the manager without --store")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status: int = args.func(args)
         return status
-    except (ValidationError, ValueError, OSError) as exc:
+    except (ValidationError, ValueError, OSError, GpumgrError) as exc:  # e.g. an etcd store that does not answer
         print(f"gpumgr: {exc}", file=sys.stderr)
         return 2
 
@@ -49,7 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     token = sub.add_parser("join-token", help="print the token agents join this manager with (last line)")
     token.add_argument("--state-dir", dest="state_dir", help="the manager's state directory")
     token.add_argument("--rotate", action="store_true", help="make a new secret: the old token admits no one")
+    _store_flags(token)
     token.set_defaults(func=run_join_token_command)
+    store = sub.add_parser("store", help="experimental: the etcd store several managers share")
+    store_actions = store.add_subparsers(required=True, metavar="ACTION")
+    store_status = store_actions.add_parser("status", help="the leader, its epoch, bindings and queue (JSON)")
+    _store_flags(store_status)
+    store_status.set_defaults(func=run_store_status_command)
     node = sub.add_parser("node", help="manage the nodes the manager knows")
     node_actions = node.add_subparsers(required=True, metavar="ACTION")
     node_rm = node_actions.add_parser("rm", help="forget a node that is down, and its agent's binding")
@@ -82,6 +91,17 @@ def _manager_flags(parser: argparse.ArgumentParser, config_flag: str) -> None:
     parser.add_argument("--state-dir", dest="state_dir", help="keys, join secret and node bindings (default: "
                         "/var/lib/gpumgr as root, else ~/.local/state/gpumgr)")
     parser.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING, ...")
+    _store_flags(parser)
+    parser.add_argument("--advertise-api", dest="advertise_api", metavar="URL",
+                        help="the URL other managers and clients reach this API at (with --store)")
+
+
+def _store_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", metavar="URL", help="experimental: several managers on etcd, "
+                        "etcd://HOST:PORT[,HOST:PORT...][/PREFIX] (etcds:// for TLS)")
+    parser.add_argument("--store-ca", dest="store_ca", metavar="FILE", help="CA bundle that verifies etcd")
+    parser.add_argument("--store-cert", dest="store_cert", metavar="FILE", help="client certificate for etcd")
+    parser.add_argument("--store-key", dest="store_key", metavar="FILE", help="client certificate's key")
 
 
 def _agent_flags(parser: argparse.ArgumentParser, config_flag: str, with_endpoint: bool = True) -> None:
@@ -101,7 +121,8 @@ def manager_settings(args: argparse.Namespace) -> ManagerSettings:
     """Manager settings from the parsed flags, the environment and the YAML file."""
     return load_settings(ManagerSettings, _existing(args.manager_config), api=args.api, agents=args.agents,
                          token=args.token, placement=args.placement, log_level=args.log_level,
-                         state_dir=args.state_dir)
+                         state_dir=args.state_dir, store=args.store, store_ca=args.store_ca,
+                         store_cert=args.store_cert, store_key=args.store_key, advertise_api=args.advertise_api)
 
 
 def agent_settings(args: argparse.Namespace, manager: str | None = None) -> AgentSettings:
@@ -187,13 +208,33 @@ def run_join_token_command(args: argparse.Namespace) -> int:
     """``gpumgr join-token``: works from the state directory whether or not the manager runs."""
     from gpumgr.manager.admission import Admission
 
-    admission = Admission(args.state_dir or ManagerSettings().state_dir)
+    store = None
+    if args.store:
+        if args.rotate:
+            raise ValueError("--rotate with --store: only the leading manager may change the shared secret, and "
+                             "rotation through it is not available yet")
+        from gpumgr.manager.ha import read_only_store
+
+        store = read_only_store(args.store, ca=args.store_ca, cert=args.store_cert, key=args.store_key)
+    admission = Admission(args.state_dir or ManagerSettings().state_dir, store=store)
     if args.rotate:
         admission.rotate()
         print("new join secret: the previous token admits no new agent (admitted agents stay)")
     token = admission.token()
     print(f"on each new host run:  gpumgr agent --manager tcp://THIS-HOST:9401 --join {token}")
     print(token)
+    return 0
+
+
+def run_store_status_command(args: argparse.Namespace) -> int:
+    """``gpumgr store status``: what the etcd store holds, read without leading or writing anything."""
+    import json
+
+    from gpumgr.manager.ha import describe
+
+    if not args.store:
+        raise ValueError("gpumgr store status needs --store etcd://HOST:PORT[,...][/PREFIX]")
+    print(json.dumps(describe(args.store, ca=args.store_ca, cert=args.store_cert, key=args.store_key), indent=2))
     return 0
 
 
@@ -218,6 +259,8 @@ def start_manager(settings: ManagerSettings) -> tuple[Any, Any]:
     from gpumgr.manager.app import create_app
     from gpumgr.manager.service import Manager
 
+    if settings.store:
+        raise ValueError(NOT_WIRED)
     host, port = split_hostport(settings.api, defaults.API_PORT)
     check_exposure(settings.api, settings.token)
     manager = Manager(settings)

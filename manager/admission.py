@@ -1,10 +1,13 @@
 """Which agents the manager admits, and which node each one may speak for.
 
-Everything here persists in the manager's state directory, so a restart keeps every admission and
-binding: ``manager_key.json`` (the manager's CURVE key pair), ``join_secret.json`` (the secret the
-join token carries; ``gpumgr join-token --rotate`` replaces it, and this module re-reads it at each
-join, so rotation works while the manager runs) and ``nodes.json`` (node name → the agent's public
-key). One lock guards the bindings; each change is written atomically before it takes effect.
+Everything here persists, so a restart keeps every admission and binding. The manager's CURVE key
+pair is ``manager_key.json`` in its state directory (one identity, given as files to every manager of
+a replicated control plane). The join secret (what the join token carries; ``gpumgr join-token
+--rotate`` replaces it, and this module re-reads it at each join, so rotation works while the manager
+runs) and the bindings (node name → the agent's public key) live in the manager's
+:class:`~gpumgr.manager.store.Store`: by default the same state directory (``join_secret.json``,
+``nodes.json``), or etcd shared by several managers. One lock guards the bindings; each change is
+written durably before it takes effect.
 """
 
 from __future__ import annotations
@@ -13,14 +16,13 @@ import logging
 import threading
 from pathlib import Path
 
+from gpumgr.manager.store import FileStore, Store
 from gpumgr.wire import security
 from gpumgr.wire.errors import GpumgrError
 
 log = logging.getLogger(__name__)
 
 KEY_FILE = "manager_key.json"
-SECRET_FILE = "join_secret.json"
-NODES_FILE = "nodes.json"
 
 
 class JoinRefused(GpumgrError):
@@ -31,26 +33,31 @@ class JoinRefused(GpumgrError):
 
 
 class Admission:
-    """The manager's keys, its join secret and the node ⇄ key bindings in ``folder``."""
+    """The manager's keys in ``folder``; its join secret and node ⇄ key bindings in ``store`` (default ``folder``)."""
 
-    def __init__(self, folder: str | Path | None) -> None:
+    def __init__(self, folder: str | Path | None, store: Store | None = None) -> None:
         self.folder = security.state_dir(folder)
         self.keys = security.load_keys(self.folder / KEY_FILE)
+        self.store = store or FileStore(self.folder)
         self._lock = threading.Lock()
-        self._nodes = self._load_nodes()
-        self._keys = {v: k for k, v in self._nodes.items()}
+        self._nodes: dict[str, str] = {}
+        self._keys: dict[str, str] = {}
+        self.reload()
+
+    def reload(self) -> None:
+        """Read the bindings from the store again (a manager that has just become leader sees its predecessor's)."""
+        nodes = self.store.nodes()
+        with self._lock:
+            self._nodes, self._keys = nodes, {v: k for k, v in nodes.items()}
 
     # --- the join token ----------------------------------------------------------------------
     def join_secret(self) -> str:
         """The current join secret, created on first use."""
-        path = self.folder / SECRET_FILE
-        if not path.exists():
-            security.create_private(path, {"secret": security.new_join_secret()})
-        return str(security.read_private(path)["secret"])
+        return self.store.join_secret()
 
     def rotate(self) -> None:
         """Replace the join secret: the old token admits no one from now on; admitted agents stay."""
-        security.write_private(self.folder / SECRET_FILE, {"secret": security.new_join_secret()})
+        self.store.rotate_secret()
 
     def token(self) -> str:
         """The join token agents pass to ``gpumgr agent --join``."""
@@ -81,7 +88,8 @@ class Admission:
             if spoken is not None and spoken != node:
                 raise JoinRefused(f"this agent's key is already bound to node {spoken!r}; it may speak for no other")
             if bound is None:
-                self._save({**self._nodes, node: key})
+                self.store.bind(node, key)
+                self._nodes[node], self._keys[key] = key, node
                 log.info("admitted node %s (key %s…)", node, key[:8])
 
     def forget(self, node: str) -> bool:
@@ -89,22 +97,11 @@ class Admission:
         with self._lock:
             if node not in self._nodes:
                 return False
-            self._save({k: v for k, v in self._nodes.items() if k != node})
+            self.store.forget(node)
+            self._keys.pop(self._nodes.pop(node), None)
             return True
 
     def nodes(self) -> dict[str, str]:
         """Every binding, node → key."""
         with self._lock:
             return dict(self._nodes)
-
-    def _load_nodes(self) -> dict[str, str]:
-        path = self.folder / NODES_FILE
-        if not path.exists():
-            return {}
-        data = security.read_private(path)
-        return {str(k): str(v) for k, v in data.get("nodes", {}).items()}
-
-    def _save(self, nodes: dict[str, str]) -> None:
-        security.write_private(self.folder / NODES_FILE, {"nodes": nodes})
-        self._nodes = nodes
-        self._keys = {v: k for k, v in nodes.items()}

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from gpumgr.wire import defaults, protocol
+from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.errors import AgentTimeout, NoAgents, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -62,13 +63,16 @@ class LinkHooks:
 
     ``on_tick`` runs every loop and returns how many seconds may pass before it must run again
     (None: the link's default tick). ``descriptors`` lists plain file descriptors to watch for input
-    as well, and ``on_ready`` gets those that were readable.
+    as well, and ``on_ready`` gets those that were readable. ``screen`` sees every decoded frame
+    first, replies included, and returns an error to drop it (a request waiting for that reply fails
+    with the error at once), or None to let it through.
     """
 
     on_tick: Callable[[], float | None] | None = None
     descriptors: Callable[[], set[int]] | None = None
     on_ready: Callable[[set[int]], None] | None = None
     on_stop: Callable[[], None] | None = None
+    screen: Callable[[protocol.Envelope, protocol.Message], Exception | None] | None = None
 
 
 @dataclass
@@ -82,8 +86,13 @@ class Link:
 
     def __init__(self, kind: int, endpoint: str, handler: Handler, *, bind: bool, configure: Configure,
                  context: zmq.Context[zmq.Socket[bytes]] | None = None, tick: float = defaults.LINK_TICK,
-                 hooks: LinkHooks | None = None, name: str = "link") -> None:
+                 hooks: LinkHooks | None = None, name: str = "link",
+                 epoch: Callable[[], Epoch | None] | None = None) -> None:
         self.kind = kind
+        #: what stamps every frame this link sends (a leader's epoch); None: frames carry no epoch
+        self._epoch = epoch
+        self._retarget: str | None = None
+        self._unreachable_since: float | None = None
         self.endpoint = self.bound_endpoint = endpoint
         self._bind = bind
         self._configure = configure
@@ -128,9 +137,22 @@ class Link:
         """Whether :meth:`stop` was called."""
         return self._stop.is_set()
 
+    def reconnect(self, endpoint: str) -> None:
+        """Point a connecting link at ``endpoint`` instead (done by the owner thread before it next sends)."""
+        self._retarget = endpoint
+        self._poke()
+
+    def unreachable_for(self) -> float:
+        """Seconds since frames last failed to leave, counted from the first failure; 0 while they leave."""
+        since = self._unreachable_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def _stamp(self) -> Epoch | None:
+        return None if self._epoch is None else self._epoch()
+
     def send(self, peer: bytes, message: protocol.Message, *, reply_to: str | None = None) -> None:
         """Queue ``message`` for ``peer`` (a routing id; ``b""`` on a DEALER); never blocks."""
-        self.send_frame(peer, protocol.encode(message, reply_to=reply_to))
+        self.send_frame(peer, protocol.encode(message, reply_to=reply_to, epoch=self._stamp()))
 
     def send_frame(self, peer: bytes, frame: bytes, msg_id: str | None = None) -> None:
         """Queue an already encoded frame for ``peer``; never blocks. ``msg_id`` names a request waiting on it."""
@@ -148,7 +170,7 @@ class Link:
         future: Future[protocol.Reply] = Future()
         with self._pending_lock:
             self._pending[msg_id] = _Pending(future, peer, time.monotonic() + timeout, message.TYPE, key)
-        self.send_frame(peer, protocol.encode(message, msg_id=msg_id), msg_id)
+        self.send_frame(peer, protocol.encode(message, msg_id=msg_id, epoch=self._stamp()), msg_id)
         return future
 
     def fail_peer(self, peer: bytes, error: Exception, key: str = "") -> int:
@@ -208,6 +230,7 @@ class Link:
             if more:  # frames are still waiting: come straight back once what is queued has left
                 wait = 0.0
             self._expire()
+            self._move(sock)
             self._flush(sock)
 
     def _run_tick(self) -> float:
@@ -261,6 +284,15 @@ class Link:
                 self._wake.socket.close(linger=0)
                 self._wake.socket = None
 
+    def _move(self, sock: zmq.Socket[bytes]) -> None:
+        target, self._retarget = self._retarget, None
+        if target is None or target == self.endpoint or self._bind:
+            return
+        with contextlib.suppress(zmq.ZMQError):  # never connected there: nothing to undo
+            sock.disconnect(self.endpoint)
+        sock.connect(target)
+        self.endpoint, self._unreachable_since = target, None
+
     def _flush(self, sock: zmq.Socket[bytes]) -> None:
         while True:
             try:
@@ -270,8 +302,11 @@ class Link:
             parts = [peer, frame] if self.kind == zmq.ROUTER else [frame]
             try:
                 sock.send_multipart(parts, zmq.NOBLOCK)
+                self._unreachable_since = None
             except zmq.ZMQError as exc:
                 log.debug("cannot reach peer %r now (%s); one message dropped", peer, exc)
+                if self._unreachable_since is None:
+                    self._unreachable_since = time.monotonic()
                 if msg_id is not None:
                     self._fail(msg_id, NoAgents(f"the agent is not connected now ({exc.strerror}); try again"))
 
@@ -306,6 +341,11 @@ class Link:
             envelope, message = protocol.decode(parts[-1].bytes)
         except ProtocolError as exc:
             log.warning("dropped a malformed message from %r: %s", peer.routing_id, exc)
+            return
+        refused = self._hooks.screen(envelope, message) if self._hooks.screen is not None else None
+        if refused is not None:
+            if isinstance(message, protocol.Reply) and envelope.reply_to:
+                self._fail(envelope.reply_to, refused)
             return
         if isinstance(message, protocol.Reply) and self._resolve(peer, envelope, message):
             return
