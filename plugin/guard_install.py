@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumgr.plugin import install
+from gpumgr.plugin.daemon_config import Refused as DaemonRefused
 from gpumgr.plugin.daemon_config import parse_daemon_json
 from gpumgr.plugin.engine import signal_reload
 from gpumgr.plugin.files import Change, apply, mode_of, read_bytes, sha256_of
@@ -142,7 +143,7 @@ def _change_daemon_json(command: str, change: Callable[[Path, Path, str], list[s
     """Make ``change`` to daemon.json and print what it did; None (after saying why) if it could not."""
     try:
         notes = change(Path(args.daemon_config), Path(args.guard_state), name)
-    except (Refused, install.Refused, OSError) as exc:
+    except (Refused, DaemonRefused, OSError) as exc:
         done = "nothing was changed" if command == "uninstall" else "the guard is not named in daemon.json"
         print(f"gpumgr plugin {command}: {exc}; {done}", file=sys.stderr)
         return None
