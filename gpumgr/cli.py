@@ -290,7 +290,7 @@ def build_agent(settings: AgentSettings) -> Any:
     runtime = build_runtime(settings.runtime, lambda m: holder[0].report_change(m), network_mode=settings.network_mode,
                             device_requests=settings.device_requests, gpu_kind=source.kind,
                             log_dir=settings.process_log_dir, mps=settings.mps, node=settings.node,
-                            state_dir=identity.folder)
+                            state_dir=identity.folder, policy=settings.policy)
     hook = settings.hook_socket if runtime.kind == "docker" else None
     agent = Agent(settings.node, settings.manager, source, runtime, identity,
                   heartbeat_interval=settings.heartbeat_interval, enforcement=settings.enforcement(),

@@ -423,6 +423,7 @@ class Cluster:
                         preemptible=bool(entry.get("preemptible")), spec=spec, queued_at=float(entry["queued_at"]),
                         queue_seq=int(entry.get("seq", 0)), expires_at=entry.get("expires_at"),
                     )
+                    record.run = dict(spec.run)  # issue 19
                 except (KeyError, TypeError, ValueError) as exc:
                     log.warning("queue journal entry skipped: %s", exc)
                     continue
@@ -876,7 +877,7 @@ class Cluster:
             command=spec.command, env=spec.env, labels=spec.labels, on_overrun=spec.on_overrun,
             container_id=spec.container_id, hook=spec.hook, deadline=time.monotonic() + deadline,
             tenant=tenant.name if tenant is not None else spec.tenant, priority=spec.priority,
-            preemptible=spec.preemptible,
+            preemptible=spec.preemptible, run=spec.run,  # issue 19
         )
 
     @staticmethod

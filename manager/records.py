@@ -85,6 +85,7 @@ class Container:
     resizing: bool = False
     #: when ``usage`` was last refreshed (monotonic), to integrate it over time for its tenant
     usage_at: float = 0.0
+    run: dict[str, Any] = field(default_factory=dict)  # issue 19: the RunSpec fields it was asked with
 
     @property
     def count(self) -> int:
@@ -128,3 +129,4 @@ class PlacementSpec:
     tenant: str | None = None
     priority: int = 0
     preemptible: bool = False
+    run: dict[str, Any] = field(default_factory=dict)  # issue 19: the RunSpec fields it was asked with

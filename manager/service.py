@@ -14,6 +14,7 @@ from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.events import EventLog
 from gpumgr.manager.link import ManagerLink
 from gpumgr.manager.metrics import Metrics
+from gpumgr.manager.policy import refused_by_policy, run_fields  # issue 19
 from gpumgr.manager.records import Container, PlacementSpec
 from gpumgr.manager.tenants import OPERATOR, Principal, Tenant, TenantBook, build_tenants
 from gpumgr.wire import defaults, protocol
@@ -73,7 +74,8 @@ class Manager:
         """Put new tenants, quotas and tokens in force (SIGHUP); raises ValueError, keeping the old ones."""
         tenants = build_tenants(settings.tenants, settings.token)
         self.tenants.replace(tenants, settings.token)
-        self.settings = self.settings.model_copy(update={"tenants": settings.tenants, "token": settings.token})
+        self.settings = self.settings.model_copy(update={"tenants": settings.tenants, "token": settings.token,
+                                                         "policy": settings.policy})  # issue 19
         self.cluster.wake.set()  # a raised quota may let queued requests go
         log.info("tenants reloaded: %s", ", ".join(sorted(tenants)) or "none")
 
@@ -117,7 +119,7 @@ class Manager:
             grant=record.id, name=record.name, image=record.image, command=record.command, env=record.env,
             labels=record.labels, gpus=record.gpus, gpu_memory=record.gpu_memory, on_overrun=record.on_overrun,
             created_at=record.created_at, tenant=record.tenant or "", priority=record.priority,
-            preemptible=record.preemptible,
+            preemptible=record.preemptible, **run_fields(record, self.settings.policy, self.tenants),  # issue 19
         ))
         try:
             reply = self.link.request(self.cluster.routing_id(record.node), create, self.settings.create_timeout)
@@ -130,6 +132,7 @@ class Manager:
         if not reply.ok:
             message = reply.error.message if reply.error else "unknown error"
             self.cluster.fail(record.id, message)
+            refused_by_policy(reply)  # issue 19
             raise AgentFailed(f"node {record.node} could not start the container: {message}")
         started = self.cluster.started(record.id, protocol.ContainerReport(**reply.result))
         if started.remove_requested and started.state in LIVE:  # DELETE came while it was being created

@@ -1,0 +1,103 @@
+"""A request's :class:`~gpumgr.wire.runspec.RunSpec` as the Docker SDK's create options, and a container's output.
+
+The node never takes a spec on trust: the policy the manager sent and the node's own are checked
+again here, with every host path resolved on this host (``realpath``), and the resolved path is the
+one handed to the engine. Output is read from the engine in bounded pieces with a cursor the caller
+keeps (the engine's timestamp of the last line, and how many lines at that exact time it has).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
+
+import docker
+import docker.errors
+from docker.types import LogConfig, Mount, Ulimit
+from docker.utils import socket as engine_socket
+
+from gpumgr.wire import defaults
+from gpumgr.wire.errors import NotFound, RuntimeFailure
+from gpumgr.wire.policy import Policy, check, on_node
+from gpumgr.wire.protocol import ContainerSpec
+from gpumgr.wire.runspec import RunSpec
+
+#: The engine's stream ids in its multiplexed output.
+STDOUT, STDERR = 1, 2
+
+
+def create_options(spec: ContainerSpec, network_mode: str | None, node_policy: Policy | None) -> dict[str, Any]:
+    """The keyword arguments for ``containers.create`` that ``spec.run`` asks for; raises PolicyDenied."""
+    run = check(spec.run or RunSpec(), spec.policy, on_node)
+    if node_policy is not None:
+        run = check(run, node_policy, on_node)
+    options: dict[str, Any] = {
+        "network_mode": run.network or network_mode,
+        "mounts": [Mount(target=m.target, source=m.source, type=m.type, read_only=m.read_only) for m in run.mounts],
+        "ports": {key: tuple(value) if isinstance(value, list) else value for key, value in run.ports.items()},
+        "ulimits": [Ulimit(name=u.name, soft=u.soft, hard=u.soft if u.hard is None else u.hard) for u in run.ulimits],
+        "log_config": LogConfig(type=run.log_config.type, config=run.log_config.config) if run.log_config else None,
+        "shm_size": run.shm_size, "ipc_mode": run.ipc_mode, "pid_mode": run.pid_mode,
+        "working_dir": run.working_dir, "user": run.user, "entrypoint": run.entrypoint, "nano_cpus": run.nano_cpus,
+        "mem_limit": run.mem_limit, "cap_add": run.cap_add, "devices": run.devices, "privileged": run.privileged,
+        "auto_remove": run.auto_remove, "stop_signal": run.stop_signal,
+    }
+    return {k: v for k, v in options.items() if v not in (None, [], {}, False)}
+
+
+def read_logs(client: docker.DockerClient, container_id: str, *, since: str = "", skip: int = 0,
+              tail: int | None = None, limit: int = defaults.LOGS_CHUNK) -> dict[str, Any]:
+    """The next piece of the container's output after the cursor (``since``, ``skip``), at most ``limit`` bytes.
+
+    Returns ``{frames: [[stream, bytes]], since, skip, more}``; ``more`` says a limit cut it short.
+    """
+    params: dict[str, Any] = {"stdout": 1, "stderr": 1, "timestamps": 1, "follow": 0,
+                              "tail": "all" if tail is None else str(tail)}
+    if since:
+        params["since"] = since
+    api: Any = client.api  # the SDK's public logs call drops which stream each line came from
+    try:
+        response = api._get(api._url("/containers/{0}/logs", container_id), params=params, stream=True)
+        api._raise_for_status(response)
+    except docker.errors.NotFound:
+        raise NotFound(f"container {container_id[:12]} is gone from its node") from None
+    except docker.errors.APIError as exc:
+        raise RuntimeFailure(f"docker could not read the container's output: {exc.explanation}") from exc
+    frames: list[list[Any]] = []
+    size, seen, last, same, more = 0, 0, since, skip, False
+    try:
+        for stream, payload in _frames(api._get_raw_response_socket(response)):
+            stamp, _, data = bytes(payload).partition(b" ")
+            key = _cursor(stamp)
+            if since and key == since and seen < skip:
+                seen += 1
+                continue
+            if frames and (size + len(data) > limit or len(frames) >= defaults.LOGS_LINES):
+                more = True
+                break
+            frames.append([stream, data[:defaults.MAX_FIELD_BYTES]])
+            size += len(data)
+            last, same = (last, same + 1) if key == last else (key, 1)
+    finally:
+        response.close()
+    return {"frames": frames, "since": last, "skip": same, "more": more}
+
+
+def _frames(sock: Any) -> Iterator[tuple[int, bytes]]:
+    """``(stream, payload)`` from the engine's multiplexed stream (the SDK's reader, untyped)."""
+    reader: Any = engine_socket.frames_iter
+    yield from reader(sock, False)
+
+
+def _cursor(stamp: bytes) -> str:
+    """The engine's RFC 3339 timestamp (nanoseconds) as the ``seconds.nanoseconds`` its ``since`` takes."""
+    text = stamp.decode("ascii", "replace")
+    head, _, rest = text.partition(".")
+    digits = "".join(c for c in rest if c.isdigit())
+    zone = rest[len(digits):] or "Z"
+    try:
+        seconds = int(datetime.fromisoformat(head + (zone if zone != "Z" else "+00:00")).timestamp())
+    except ValueError:
+        return ""
+    return f"{seconds}.{digits[:9].ljust(9, '0')}"

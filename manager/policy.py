@@ -1,0 +1,45 @@
+"""The manager's side of the operator's policy: which policy a request answers to, checked before placing it.
+
+The operator's own requests answer to none; a tenant's to its own ``policy`` when it has one, else to
+the manager's top-level ``policy``. The same policy travels to the node in the create message, where
+the agent checks again with the node's real paths.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpumgr.manager.records import Container
+from gpumgr.manager.tenants import Tenant, TenantBook
+from gpumgr.wire import protocol
+from gpumgr.wire.errors import PolicyDenied
+from gpumgr.wire.policy import Policy, check
+from gpumgr.wire.runspec import RunSpec
+
+
+def policy_for(default: Policy, tenant: Tenant | None) -> Policy | None:
+    """The policy a request acting for ``tenant`` answers to (None: the operator's, unlimited)."""
+    if tenant is None:
+        return None
+    return tenant.policy if tenant.policy is not None else default
+
+
+def admit(run: RunSpec, default: Policy, tenant: Tenant | None) -> None:
+    """Raise PolicyDenied (403) unless ``tenant``'s policy allows ``run``; host paths are judged as written."""
+    check(run, policy_for(default, tenant))
+
+
+def run_fields(record: Container, default: Policy, tenants: TenantBook) -> dict[str, Any]:
+    """The create message's ``run`` and ``policy`` for ``record``: the policy as it is in force now."""
+    if not record.run and record.tenant is None:
+        return {}
+    tenant = tenants.get(record.tenant) if record.tenant is not None else None
+    if record.tenant is not None and tenant is None:  # its tenant was removed while it waited: the strictest
+        return {"run": RunSpec.model_validate(record.run), "policy": Policy()}
+    return {"run": RunSpec.model_validate(record.run), "policy": policy_for(default, tenant)}
+
+
+def refused_by_policy(reply: protocol.Reply) -> None:
+    """Raise PolicyDenied (403) if the node refused a create by its policy; anything else is the caller's."""
+    if reply.error is not None and reply.error.code == PolicyDenied.code:
+        raise PolicyDenied.from_wire(f"node refused: {reply.error.message}")
