@@ -8,6 +8,7 @@ keeps (the engine's timestamp of the last line, and how many lines at that exact
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
@@ -15,7 +16,6 @@ from typing import Any
 import docker
 import docker.errors
 from docker.types import LogConfig, Mount, Ulimit
-from docker.utils import socket as engine_socket
 
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import NotFound, RuntimeFailure
@@ -25,6 +25,8 @@ from gpumgr.wire.runspec import RunSpec
 
 #: The engine's stream ids in its multiplexed output.
 STDOUT, STDERR = 1, 2
+#: The engine's frame header: stream id, three zero bytes, the payload's length (big-endian).
+FRAME = struct.Struct(">BxxxI")
 
 
 def create_options(spec: ContainerSpec, network_mode: str | None, node_policy: Policy | None) -> dict[str, Any]:
@@ -67,7 +69,7 @@ def read_logs(client: docker.DockerClient, container_id: str, *, since: str = ""
     frames: list[list[Any]] = []
     size, seen, last, same, more = 0, 0, since, skip, False
     try:
-        for stream, payload in _frames(api._get_raw_response_socket(response)):
+        for stream, payload in _frames(response):
             stamp, _, data = bytes(payload).partition(b" ")
             key = _cursor(stamp)
             if since and key == since and seen < skip:
@@ -84,10 +86,14 @@ def read_logs(client: docker.DockerClient, container_id: str, *, since: str = ""
     return {"frames": frames, "since": last, "skip": same, "more": more}
 
 
-def _frames(sock: Any) -> Iterator[tuple[int, bytes]]:
-    """``(stream, payload)`` from the engine's multiplexed stream (the SDK's reader, untyped)."""
-    reader: Any = engine_socket.frames_iter
-    yield from reader(sock, False)
+def _frames(response: Any) -> Iterator[tuple[int, bytes]]:
+    """``(stream, payload)`` from the engine's multiplexed answer, read within its HTTP framing."""
+    while True:
+        header = response.raw.read(FRAME.size)
+        if len(header) < FRAME.size:
+            return
+        stream, length = FRAME.unpack(header)
+        yield stream, response.raw.read(length) if length else b""
 
 
 def _cursor(stamp: bytes) -> str:
