@@ -37,7 +37,7 @@ def create_options(spec: ContainerSpec, network_mode: str | None, node_policy: P
     options: dict[str, Any] = {
         "network_mode": run.network or network_mode,
         "mounts": [Mount(target=m.target, source=m.source, type=m.type, read_only=m.read_only) for m in run.mounts],
-        "ports": {key: tuple(value) if isinstance(value, list) else value for key, value in run.ports.items()},
+        "ports": {key: _binding(value) for key, value in run.ports.items()},
         "ulimits": [Ulimit(name=u.name, soft=u.soft, hard=u.soft if u.hard is None else u.hard) for u in run.ulimits],
         "log_config": LogConfig(type=run.log_config.type, config=run.log_config.config) if run.log_config else None,
         "shm_size": run.shm_size, "ipc_mode": run.ipc_mode, "pid_mode": run.pid_mode,
@@ -46,6 +46,13 @@ def create_options(spec: ContainerSpec, network_mode: str | None, node_policy: P
         "auto_remove": run.auto_remove, "stop_signal": run.stop_signal,
     }
     return {k: v for k, v in options.items() if v not in (None, [], {}, False)}
+
+
+def _binding(value: Any) -> Any:
+    """A host binding as docker-py takes it: a port, None, ``(ip, port)``, or ``(ip,)`` for any port on ``ip``."""
+    if isinstance(value, list):
+        return (value[0], value[1]) if value[1] is not None else (value[0],)
+    return value
 
 
 def read_logs(client: docker.DockerClient, container_id: str, *, since: str = "", skip: int = 0,

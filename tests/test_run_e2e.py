@@ -48,7 +48,8 @@ def shared_dir(tmp_path: Path) -> Path:
 
 def test_the_spec_reaches_the_engine_as_asked(manager, docker_agent, docker_client, test_image, tmp_path) -> None:
     data = shared_dir(tmp_path)
-    script = "cat hello; touch /data/new || echo cannot-write; df -k /dev/shm | tail -1; id -u; echo nofile-$(ulimit -n); exit 3"
+    script = ("cat hello; touch /data/new || echo cannot-write; df -k /dev/shm | tail -1; id -u; "
+              "echo nofile-$(ulimit -n); exit 3")
     body = {"image": test_image, "gpu_memory": "1GiB", "volumes": [f"{data}:/data:ro"], "shm_size": "1g",
             "working_dir": "/data", "user": "1000:1000", "entrypoint": ["sh", "-c"], "command": [script],
             "mounts": [{"type": "tmpfs", "target": "/scratch"}], "nano_cpus": 500_000_000, "mem_limit": "256m",
@@ -141,15 +142,18 @@ def test_published_ports_reach_the_engine_as_asked(manager, docker_agent, docker
 
 
 def test_lookup_by_name_and_prefix_and_ambiguity(manager, docker_agent, test_image) -> None:
-    ids = [manager.post("/v1/containers", json={"image": test_image, "gpu_memory": "1GiB", "name": f"job-{i}",
-                                                "command": ["sleep", "30"]}).json()["id"] for i in range(2)]
-    assert manager.get("/v1/containers/job-1").json()["id"] == ids[1]
-    common = os.path.commonprefix(ids)
-    assert manager.get(f"/v1/containers/{ids[0][:len(common) + 1]}").json()["id"] == ids[0]
-    if common:
-        assert manager.get(f"/v1/containers/{common}").status_code == 409
+    records = [manager.post("/v1/containers", json={"image": test_image, "gpu_memory": "1GiB", "name": f"job-{i}",
+                                                    "command": ["sleep", "30"]}).json() for i in range(17)]
+    assert manager.get("/v1/containers/job-1").json()["id"] == records[1]["id"]
+    assert manager.get(f"/v1/containers/{records[2]['container_id'][:12]}").json()["id"] == records[2]["id"]
+    # 17 hex ids over 16 first digits: some digit starts two of them
+    firsts = [r["id"][0] for r in records]
+    shared = next(c for c in "0123456789abcdef" if firsts.count(c) >= 2)
+    ambiguous = manager.get(f"/v1/containers/{shared}")
+    assert ambiguous.status_code == 409 and "ambiguous" in ambiguous.json()["error"]["message"]
     assert manager.get("/v1/containers/" + "z" * 20).status_code == 404
     assert manager.delete("/v1/containers/job-0").json()["state"] == "removed"
+    assert manager.get("/v1/containers/job-0").json()["state"] == "removed"  # a removed record is still found
 
 
 @pytest.fixture
