@@ -18,6 +18,7 @@ import threading
 from typing import Any
 
 from gpumgr.plugin.run_flags import build_request, parser
+from gpumgr.wire.units import format_bytes
 
 #: ``docker run``'s own failures: the daemon or the CLI, not the container.
 EXIT_FAILED, EXIT_CANNOT_INVOKE, EXIT_NOT_FOUND = 125, 126, 127
@@ -43,8 +44,7 @@ def run_container(client: Any, argv: list[str], error: type[Exception]) -> int:
     try:
         record = client.call("POST", "/v1/containers", json_body=body)
     except error as exc:
-        raise _exit_error(error, str(exc).replace('send "queue": true to wait for room', "add --queue to wait "
-                                                  "for room"), _exit_code_for(str(exc))) from None
+        raise _exit_error(error, _cli_words(str(exc)), _exit_code_for(str(exc))) from None
     if args.detach:
         return _detached(record)
     return Attached(client, record, remove=args.rm, error=error).run()
@@ -138,10 +138,22 @@ class Attached:
         if state == "exited" and code is not None:
             return int(code)
         if state in ("killed", "preempted", "removed"):
-            _say(f"container {self.id} {state}: {reason or 'no reason given'}")
+            _say(f"container {self.id} {state}: {reason or 'no reason given'}{self._overrun()}")
             return int(code) if code is not None and code != 0 else EXIT_KILLED
         _say(f"container {self.id} {state}: {reason or 'no reason given'}")
         return _exit_code_for(reason or "")
+
+    def _overrun(self) -> str:
+        """`` (used X of its Y grant)`` when it was killed for an overrun, else nothing."""
+        try:
+            detail = self.client.call("GET", f"/v1/containers/{self.id}").get("detail") or {}
+        except self.error:
+            return ""
+        overrun = detail.get("overrun") or {}
+        if not isinstance(overrun, dict) or "observed" not in overrun:
+            return ""
+        return f" (its GPU memory use reached {format_bytes(int(overrun['observed']))}, over its grant of " \
+               f"{format_bytes(int(overrun.get('grant_bytes') or 0))})"
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         """Pass the signal on to the container; after ``FORCE_AFTER`` SIGINTs stop waiting for it."""
@@ -224,6 +236,14 @@ def remove(client: Any, argv: list[str], error: type[Exception]) -> int:
         client.call("DELETE", f"/v1/containers/{record['id']}")
         print(name)
     return failed
+
+
+def _cli_words(message: str) -> str:
+    """The manager's refusal in this command's words: ``--queue``, not the API's ``"queue": true``."""
+    if not message.endswith("(no_fit)"):
+        return message
+    text = message.removesuffix(" (no_fit)").replace('; send "queue": true to wait for room', "")
+    return f"{text}; add --queue to wait for room (no_fit)"
 
 
 def _exit_code_for(message: str) -> int:

@@ -41,7 +41,7 @@ class _Refuse(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        raise self.error(f"docker gpu run does not take {option_string}: {self.why}")
+        raise self.error(f"docker gpu run does not take {'/'.join(self.option_strings)}: {self.why}")
 
 
 class _Parser(argparse.ArgumentParser):
