@@ -287,16 +287,6 @@ def _count(text: str) -> int:
     return int(text)
 
 
-def _pairs(items: list[str]) -> dict[str, str]:
-    pairs = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise PluginError(f"expected KEY=VALUE, got {item!r}")
-        pairs[key] = value
-    return pairs
-
-
 def _docker(args: list[str]) -> int:
     return subprocess.call(["docker", *args])
 

@@ -209,10 +209,7 @@ def wait(client: Any, argv: list[str], error: type[Exception]) -> int:
 
 def kill(client: Any, argv: list[str], error: type[Exception]) -> int:
     """``docker gpu kill [-s SIGNAL] CONTAINER...``."""
-    options = argparse.ArgumentParser(prog="docker gpu kill")
-    options.add_argument("-s", "--signal", default="SIGKILL")
-    options.add_argument("containers", nargs="+")
-    args = options.parse_args(argv)
+    args = _containers_args("kill", argv, ("-s", "--signal"), default="SIGKILL")
     for name in args.containers:
         client.call("POST", f"/v1/containers/{name}/kill", params={"signal": args.signal})
         print(name)
@@ -221,10 +218,7 @@ def kill(client: Any, argv: list[str], error: type[Exception]) -> int:
 
 def remove(client: Any, argv: list[str], error: type[Exception]) -> int:
     """``docker gpu rm [-f] CONTAINER...``: a running container only with ``-f``, as ``docker rm``."""
-    options = argparse.ArgumentParser(prog="docker gpu rm")
-    options.add_argument("-f", "--force", action="store_true")
-    options.add_argument("containers", nargs="+")
-    args = options.parse_args(argv)
+    args = _containers_args("rm", argv, ("-f", "--force"), action="store_true")
     failed = 0
     for name in args.containers:
         record = client.call("GET", f"/v1/containers/{name}")
@@ -236,6 +230,14 @@ def remove(client: Any, argv: list[str], error: type[Exception]) -> int:
         client.call("DELETE", f"/v1/containers/{record['id']}")
         print(name)
     return failed
+
+
+def _containers_args(command: str, argv: list[str], flags: tuple[str, str], **option: Any) -> argparse.Namespace:
+    """``docker gpu COMMAND [FLAG] CONTAINER...`` read: one option and at least one container."""
+    options = argparse.ArgumentParser(prog=f"docker gpu {command}")
+    options.add_argument(*flags, **option)
+    options.add_argument("containers", nargs="+")
+    return options.parse_args(argv)
 
 
 def _cli_words(message: str) -> str:
