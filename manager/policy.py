@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpumgr.manager.records import Container
 from gpumgr.manager.tenants import Tenant, TenantBook
 from gpumgr.wire import protocol
 from gpumgr.wire.errors import PolicyDenied
@@ -29,14 +28,14 @@ def admit(run: RunSpec, default: Policy, tenant: Tenant | None) -> None:
     check(run, policy_for(default, tenant))
 
 
-def run_fields(record: Container, default: Policy, tenants: TenantBook) -> dict[str, Any]:
-    """The create message's ``run`` and ``policy`` for ``record``: the policy as it is in force now."""
-    if not record.run and record.tenant is None:
+def run_fields(run: dict[str, Any], tenant_name: str | None, default: Policy, tenants: TenantBook) -> dict[str, Any]:
+    """The create message's ``run`` and ``policy`` for a request of ``tenant_name``: the policy in force now."""
+    if not run and tenant_name is None:
         return {}
-    tenant = tenants.get(record.tenant) if record.tenant is not None else None
-    if record.tenant is not None and tenant is None:  # its tenant was removed while it waited: the strictest
-        return {"run": RunSpec.model_validate(record.run), "policy": Policy()}
-    return {"run": RunSpec.model_validate(record.run), "policy": policy_for(default, tenant)}
+    tenant = tenants.get(tenant_name) if tenant_name is not None else None
+    if tenant_name is not None and tenant is None:  # its tenant was removed while it waited: the strictest
+        return {"run": RunSpec.model_validate(run), "policy": Policy()}
+    return {"run": RunSpec.model_validate(run), "policy": policy_for(default, tenant)}
 
 
 def refused_by_policy(reply: protocol.Reply) -> None:

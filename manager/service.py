@@ -119,7 +119,8 @@ class Manager:
             grant=record.id, name=record.name, image=record.image, command=record.command, env=record.env,
             labels=record.labels, gpus=record.gpus, gpu_memory=record.gpu_memory, on_overrun=record.on_overrun,
             created_at=record.created_at, tenant=record.tenant or "", priority=record.priority,
-            preemptible=record.preemptible, **run_fields(record, self.settings.policy, self.tenants),  # issue 19
+            preemptible=record.preemptible,
+            **run_fields(record.run, record.tenant, self.settings.policy, self.tenants),  # issue 19
         ))
         try:
             reply = self.link.request(self.cluster.routing_id(record.node), create, self.settings.create_timeout)

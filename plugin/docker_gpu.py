@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     except PluginError as exc:
         print(f"docker gpu: {exc}", file=sys.stderr)
         return exc.status
+    except KeyboardInterrupt:  # Ctrl-C before anything was started: quietly, with the shell's status for it
+        return 128 + 2
 
 
 def run(argv: list[str]) -> int:

@@ -176,3 +176,16 @@ def test_the_node_resolves_symlinks_so_a_link_cannot_lead_out_of_an_allowed_pref
     assert refused.value.rule == "bind_paths" and "/etc" in refused.value.message
     resolved = check(RunSpec.model_validate({"volumes": [f"{allowed}/inside:/i:ro"]}), policy, on_node)
     assert resolved.mounts[0].source == os.path.realpath(allowed / "inside") and resolved.volumes == []
+
+
+def test_a_host_process_node_refuses_a_spec_it_cannot_honour(tmp_path) -> None:
+    from gpumgr.agent.process_runtime import ProcessRuntime
+    from gpumgr.wire.errors import RuntimeFailure
+
+    runtime = ProcessRuntime(lambda _: None, log_dir=str(tmp_path))
+    spec = protocol.ContainerSpec(grant="g", name="n", command=["true"], gpus=["GPU-1"], gpu_memory=1,
+                                  run=RunSpec.model_validate({"volumes": ["/data:/d"], "shm_size": "1g"}))
+    with pytest.raises(RuntimeFailure) as refused:
+        runtime.create(spec)
+    assert refused.value.code == "invalid_request" and "volumes, shm_size" in refused.value.message
+    assert runtime.managed() == []
