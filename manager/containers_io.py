@@ -29,6 +29,8 @@ bp = Blueprint("v1io", __name__, url_prefix="/v1")
 MULTIPLEXED = "application/vnd.docker.multiplexed-stream"
 #: Docker's frame header: stream id, three zero bytes, the payload's length (big-endian).
 FRAME = struct.Struct(">BxxxI")
+#: How often a waiting request looks at the record (in memory) to see whether the container ended.
+END_POLL = 0.05
 #: The agent's error codes that are the caller's to fix, as REST errors.
 AGENT_ERRORS: dict[str, type[GpumgrError]] = {"not_found": NotFound, "invalid_request": InvalidRequest,
                                               "conflict": Conflict}
@@ -56,7 +58,7 @@ def container_wait(cid: str) -> Response:
     deadline = time.monotonic() + limit
     cluster = manager().cluster
     while _live(record) and time.monotonic() < deadline:
-        time.sleep(min(defaults.LOGS_POLL / 2, max(0.0, deadline - time.monotonic())))
+        time.sleep(min(END_POLL, max(0.0, deadline - time.monotonic())))
         record = cluster.get(record.id)
     return jsonify({"id": record.id, "state": record.state, "exit_code": record.exit_code, "reason": record.reason,
                     "ended": not _live(record)})
@@ -84,13 +86,22 @@ def _stream(record: Container, piece: dict[str, Any], follow: bool, multiplexed:
         if not piece["more"]:
             if not follow or ended:
                 return
-            ended = not _live(manager().cluster.get(record.id))
-            if not ended:
-                time.sleep(defaults.LOGS_POLL)
+            ended = _ended_within(record.id, defaults.LOGS_POLL)
         try:
             piece = _piece(record, {"since": piece["since"], "skip": piece["skip"]})
         except GpumgrError:  # the node went away mid-stream: the answer can only end
             return
+
+
+def _ended_within(cid: str, seconds: float) -> bool:
+    """Whether ``cid`` ends within ``seconds`` (its record is read, not its node: a cheap look every END_POLL)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if not _live(manager().cluster.get(cid)):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(END_POLL)
 
 
 def _piece(record: Container, cursor: dict[str, Any]) -> dict[str, Any]:
