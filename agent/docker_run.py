@@ -85,12 +85,20 @@ def read_logs(client: docker.DockerClient, container_id: str, *, since: str = ""
             if frames and (size + len(data) > limit or len(frames) >= defaults.LOGS_LINES):
                 more = True
                 break
-            frames.append([stream, data[:defaults.MAX_FIELD_BYTES]])
+            _append(frames, stream, data[:defaults.MAX_FIELD_BYTES])
             size += len(data)
             last, same = (last, same + 1) if key == last else (key, 1)
     finally:
         response.close()
-    return {"frames": frames, "since": last, "skip": same, "more": more}
+    return {"frames": [[stream, bytes(data)] for stream, data in frames], "since": last, "skip": same, "more": more}
+
+
+def _append(frames: list[list[Any]], stream: int, data: bytes) -> None:
+    """Add one line, joined to the last frame when it is of the same stream and the join stays in bounds."""
+    if frames and frames[-1][0] == stream and len(frames[-1][1]) + len(data) <= defaults.MAX_FIELD_BYTES:
+        frames[-1][1] += data
+    else:
+        frames.append([stream, bytearray(data)])
 
 
 def _frames(response: Any) -> Iterator[tuple[int, bytes]]:

@@ -100,10 +100,10 @@ def test_output_streams_by_stream_and_follow_ends_with_the_container(manager, do
 
 def test_a_long_output_comes_whole_across_many_pieces(manager, docker_agent, test_image) -> None:
     record = manager.post("/v1/containers", json={"image": test_image, "gpu_memory": "1GiB",
-                                                  "command": ["sh", "-c", "seq 1 60000"]}).json()
+                                                  "command": ["sh", "-c", "seq 1 250000"]}).json()
     wait_end(manager, record["id"])
     lines = manager.get(f"/v1/containers/{record['id']}/logs").text.splitlines()
-    assert lines == [str(i) for i in range(1, 60001)]  # more than one piece: nothing lost, nothing twice
+    assert lines == [str(i) for i in range(1, 250001)]  # 1.6 MB: more than one piece, nothing lost or twice
 
 
 def test_a_signal_reaches_the_container_and_wait_gives_its_exit(manager, docker_agent, test_image) -> None:

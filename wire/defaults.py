@@ -119,9 +119,9 @@ PLACEMENT: Final = "spread"
 
 # --- a container's output and end (issue 19) -------------------------------------------------
 #: Most bytes of output one logs reply carries (each line at most MAX_FIELD_BYTES, as Docker splits at 16 KiB).
-LOGS_CHUNK = 512 * 1024
-#: Most lines one logs reply carries.
-LOGS_LINES = 4096
+LOGS_CHUNK = 1024 * 1024
+#: Most frames one logs reply carries (lines of one stream in a row travel joined, up to MAX_FIELD_BYTES a frame).
+LOGS_LINES = MAX_ITEMS // 2
 #: How often a followed container's node is asked for more output while it has none.
 LOGS_POLL = 0.25
 #: Longest single ``POST /v1/containers/{id}/wait``; a client waiting longer asks again.
