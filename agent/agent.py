@@ -245,8 +245,8 @@ class Agent:
         return managed.report().model_dump()
 
     def _logs(self, message: protocol.Logs) -> dict[str, Any]:
-        return self.runtime.logs(message.grant, since=message.since, skip=message.skip, tail=message.tail,
-                                 limit=message.limit)
+        return self.runtime.logs(message.grant, message.session, since=message.since, skip=message.skip,
+                                 tail=message.tail, limit=message.limit)
 
     def _signal(self, message: protocol.Signal) -> dict[str, Any]:
         self.runtime.signal(message.grant, message.signal)

@@ -8,6 +8,7 @@ keeps (the engine's timestamp of the last line, and how many lines at that exact
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Iterator
 from datetime import datetime
@@ -27,6 +28,8 @@ from gpumgr.wire.runspec import RunSpec
 STDOUT, STDERR = 1, 2
 #: The engine's frame header: stream id, three zero bytes, the payload's length (big-endian).
 FRAME = struct.Struct(">BxxxI")
+#: Bytes read from the engine at a time (one read per line costs more than the line).
+READ_BLOCK = 64 * 1024
 
 
 def create_options(spec: ContainerSpec, network_mode: str | None, node_policy: Policy | None) -> dict[str, Any]:
@@ -61,36 +64,73 @@ def read_logs(client: docker.DockerClient, container_id: str, *, since: str = ""
 
     Returns ``{frames: [[stream, bytes]], since, skip, more}``; ``more`` says a limit cut it short.
     """
-    params: dict[str, Any] = {"stdout": 1, "stderr": 1, "timestamps": 1, "follow": 0,
+    response = open_logs(client, container_id, since=since, tail=tail, follow=False)
+    piece = Piece(since, skip, limit)
+    try:
+        for line in lines(response, since, skip):
+            if not piece.take(*line):
+                break
+    finally:
+        response.close()
+    return piece.result()
+
+
+def open_logs(client: docker.DockerClient, container_id: str, *, since: str, tail: int | None,
+              follow: bool) -> Any:
+    """The engine's multiplexed, timestamped output of the container from ``since`` (or its last ``tail`` lines)."""
+    params: dict[str, Any] = {"stdout": 1, "stderr": 1, "timestamps": 1, "follow": int(follow),
                               "tail": "all" if tail is None else str(tail)}
     if since:
         params["since"] = since
     api: Any = client.api  # the SDK's public logs call drops which stream each line came from
     try:
-        response = api._get(api._url("/containers/{0}/logs", container_id), params=params, stream=True)
+        response = api._get(api._url("/containers/{0}/logs", container_id), params=params, stream=True,
+                            timeout=None if follow else api.timeout)
         api._raise_for_status(response)
     except docker.errors.NotFound:
         raise NotFound(f"container {container_id[:12]} is gone from its node") from None
     except docker.errors.APIError as exc:
         raise RuntimeFailure(f"docker could not read the container's output: {exc.explanation}") from exc
-    frames: list[list[Any]] = []
-    size, seen, last, same, more = 0, 0, since, skip, False
-    try:
-        for stream, payload in _frames(response):
-            stamp, _, data = bytes(payload).partition(b" ")
-            key = _cursor(stamp)
-            if since and key == since and seen < skip:
-                seen += 1
-                continue
-            if frames and (size + len(data) > limit or len(frames) >= defaults.LOGS_LINES):
-                more = True
-                break
-            _append(frames, stream, data[:defaults.MAX_FIELD_BYTES])
-            size += len(data)
-            last, same = (last, same + 1) if key == last else (key, 1)
-    finally:
-        response.close()
-    return {"frames": [[stream, bytes(data)] for stream, data in frames], "since": last, "skip": same, "more": more}
+    return response
+
+
+def lines(response: Any, since: str, skip: int) -> Iterator[tuple[int, str, bytes]]:
+    """``(stream, cursor, data)`` per line, leaving out the ``skip`` lines at exactly ``since`` already read."""
+    seen = 0
+    for stream, payload in _frames(response):
+        stamp, _, data = payload.partition(b" ")
+        key = _cursor(stamp)
+        if since and key == since and seen < skip:
+            seen += 1
+            continue
+        yield stream, key, data[:defaults.MAX_FIELD_BYTES]
+
+
+class Piece:
+    """One reply's worth of output, and the cursor after it."""
+
+    def __init__(self, since: str, skip: int, limit: int) -> None:
+        self.frames: list[list[Any]] = []
+        self.size, self.limit, self.since, self.skip, self.more = 0, limit, since, skip, False
+
+    def fits(self, data: bytes) -> bool:
+        """Whether one more line fits (the first always does)."""
+        return not self.frames or (self.size + len(data) <= self.limit and len(self.frames) < defaults.LOGS_LINES)
+
+    def take(self, stream: int, key: str, data: bytes) -> bool:
+        """Add a line; False (and ``more``) when it does not fit."""
+        if not self.fits(data):
+            self.more = True
+            return False
+        _append(self.frames, stream, data)
+        self.size += len(data)
+        self.since, self.skip = (self.since, self.skip + 1) if key == self.since else (key, 1)
+        return True
+
+    def result(self, **extra: Any) -> dict[str, Any]:
+        """The reply's result: ``{frames, since, skip, more}`` and ``extra``."""
+        frames = [[stream, bytes(data)] for stream, data in self.frames]
+        return {"frames": frames, "since": self.since, "skip": self.skip, "more": self.more, **extra}
 
 
 def _append(frames: list[list[Any]], stream: int, data: bytes) -> None:
@@ -102,23 +142,33 @@ def _append(frames: list[list[Any]], stream: int, data: bytes) -> None:
 
 
 def _frames(response: Any) -> Iterator[tuple[int, bytes]]:
-    """``(stream, payload)`` from the engine's multiplexed answer, read within its HTTP framing."""
-    while True:
-        header = response.raw.read(FRAME.size)
-        if len(header) < FRAME.size:
-            return
-        stream, length = FRAME.unpack(header)
-        yield stream, response.raw.read(length) if length else b""
+    """``(stream, payload)`` from the engine's multiplexed answer, read in blocks within its HTTP framing."""
+    buffer = bytearray()
+    for block in response.iter_content(READ_BLOCK):
+        buffer += block
+        offset = 0
+        while len(buffer) - offset >= FRAME.size:
+            stream, length = FRAME.unpack_from(buffer, offset)
+            end = offset + FRAME.size + length
+            if end > len(buffer):
+                break
+            yield stream, bytes(buffer[offset + FRAME.size:end])
+            offset = end
+        del buffer[:offset]
+
+
+@functools.lru_cache(maxsize=4)
+def _seconds(head: str, zone: str) -> int | None:
+    try:
+        return int(datetime.fromisoformat(head + (zone if zone != "Z" else "+00:00")).timestamp())
+    except ValueError:
+        return None
 
 
 def _cursor(stamp: bytes) -> str:
     """The engine's RFC 3339 timestamp (nanoseconds) as the ``seconds.nanoseconds`` its ``since`` takes."""
     text = stamp.decode("ascii", "replace")
     head, _, rest = text.partition(".")
-    digits = "".join(c for c in rest if c.isdigit())
-    zone = rest[len(digits):] or "Z"
-    try:
-        seconds = int(datetime.fromisoformat(head + (zone if zone != "Z" else "+00:00")).timestamp())
-    except ValueError:
-        return ""
-    return f"{seconds}.{digits[:9].ljust(9, '0')}"
+    digits = rest.rstrip("Z").partition("+")[0].partition("-")[0]
+    seconds = _seconds(head, rest[len(digits):] or "Z")
+    return "" if seconds is None or not digits.isdigit() else f"{seconds}.{digits[:9].ljust(9, '0')}"

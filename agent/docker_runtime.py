@@ -18,6 +18,7 @@ from docker.types import CancellableStream, DeviceRequest
 
 from gpumgr.agent import procmap
 from gpumgr.agent.docker_run import create_options, read_logs
+from gpumgr.agent.logfollow import Followers
 from gpumgr.agent.runtime import (
     ChangeCallback,
     Managed,
@@ -71,6 +72,7 @@ class DockerRuntime(Runtime):
         #: host pid → (start time, container ids from its cgroup); only the enforcer's thread uses it
         self._cgroups: dict[int, tuple[int, list[str]]] = {}
         self._stop = threading.Event()
+        self._followers = Followers()
         self._events: CancellableStream[dict[str, Any]] | None = None
         self._adopt()
         self._watcher = threading.Thread(target=self._watch, name="docker-events", daemon=True)
@@ -153,9 +155,12 @@ class DockerRuntime(Runtime):
 
         threading.Thread(target=stop, name=f"stop-{grant}", daemon=True).start()
 
-    def logs(self, grant: str, **cursor: Any) -> dict[str, Any]:
-        """The next bounded piece of the output of the container holding ``grant`` (see ``docker_run.read_logs``)."""
-        return read_logs(self.client, self.get(grant).container_id, **cursor)
+    def logs(self, grant: str, session: str = "", **cursor: Any) -> dict[str, Any]:
+        """The next bounded piece of the output of the container holding ``grant``; a ``session`` follows it."""
+        container_id = self.get(grant).container_id
+        if session:
+            return self._followers.read(session, self.client, container_id, **cursor)
+        return read_logs(self.client, container_id, **cursor)
 
     def signal(self, grant: str, signal: str) -> None:
         """Send ``signal`` to the container holding ``grant``, as ``docker kill --signal`` does."""
@@ -196,6 +201,7 @@ class DockerRuntime(Runtime):
     def close(self) -> None:
         """Stop the Docker events watcher."""
         self._stop.set()
+        self._followers.close()
         if self._events is not None:
             self._events.close()
 

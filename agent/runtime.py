@@ -159,7 +159,7 @@ class Runtime:
         """Stop and remove the container holding ``grant``; raises NotFound."""
         raise NotImplementedError
 
-    def logs(self, grant: str, **cursor: Any) -> dict[str, Any]:
+    def logs(self, grant: str, session: str = "", **cursor: Any) -> dict[str, Any]:
         """The next bounded piece of the output of the container holding ``grant``."""
         raise InvalidRequest(f"this node's {self.kind} runtime keeps no output to read; run the container on a "
                              "node with Docker")

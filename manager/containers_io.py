@@ -29,6 +29,8 @@ bp = Blueprint("v1io", __name__, url_prefix="/v1")
 MULTIPLEXED = "application/vnd.docker.multiplexed-stream"
 #: Docker's frame header: stream id, three zero bytes, the payload's length (big-endian).
 FRAME = struct.Struct(">BxxxI")
+#: A followed stream whose node never says it ended stops this long after the container's record ended.
+FOLLOW_GRACE = 5.0
 #: How often a waiting request looks at the record (in memory) to see whether the container ended.
 END_POLL = 0.05
 #: The agent's error codes that are the caller's to fix, as REST errors.
@@ -43,8 +45,9 @@ def container_logs(cid: str) -> Response:
     follow = _flag("follow")
     tail = _tail()
     multiplexed = MULTIPLEXED in request.headers.get("Accept", "")
-    first = _piece(record, {"tail": tail})  # errors before the stream starts are answered as JSON
-    body = stream_with_context(_stream(record, first, follow, multiplexed))
+    cursor = {"session": protocol.new_id()} if follow else {}
+    first = _piece(record, {**cursor, "tail": tail})  # errors before the stream starts are answered as JSON
+    body = stream_with_context(_stream(record, first, cursor, multiplexed))
     response = Response(body, mimetype=MULTIPLEXED if multiplexed else "text/plain")
     response.headers["X-Content-Type-Options"] = "nosniff"
     return response
@@ -77,18 +80,26 @@ def container_kill(cid: str) -> Response:
     return jsonify({"id": record.id, "signal": signal})
 
 
-def _stream(record: Container, piece: dict[str, Any], follow: bool, multiplexed: bool) -> Iterator[bytes]:
-    """Pieces of output until there is no more (``follow``: until the container ended and its last piece is out)."""
-    ended = False
+def _stream(record: Container, piece: dict[str, Any], cursor: dict[str, Any], multiplexed: bool) -> Iterator[bytes]:
+    """Pieces of output until there is no more: followed (a ``session``), until its node says the stream ended.
+
+    Should the node never say so, the stream ends ``FOLLOW_GRACE`` seconds after the record ended.
+    """
+    follow, ended_at = bool(cursor.get("session")), None
     while True:
         for stream, data in piece["frames"]:
             yield FRAME.pack(stream, len(data)) + data if multiplexed else data
         if not piece["more"]:
-            if not follow or ended:
+            if not follow or piece.get("ended"):
                 return
-            ended = _ended_within(record.id, defaults.LOGS_POLL)
+            if ended_at is None and _ended_within(record.id, defaults.LOGS_POLL):
+                ended_at = time.monotonic()
+            elif ended_at is not None:
+                if time.monotonic() - ended_at > FOLLOW_GRACE:
+                    return
+                time.sleep(defaults.LOGS_POLL)
         try:
-            piece = _piece(record, {"since": piece["since"], "skip": piece["skip"]})
+            piece = _piece(record, {**cursor, "since": piece["since"], "skip": piece["skip"]})
         except GpumgrError:  # the node went away mid-stream: the answer can only end
             return
 
@@ -110,7 +121,7 @@ def _piece(record: Container, cursor: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(frames, list):
         raise AgentFailed(f"node {record.node} answered a logs request without output")
     return {"frames": [(int(s), bytes(d)) for s, d in frames], "since": str(result.get("since") or ""),
-            "skip": int(result.get("skip") or 0), "more": bool(result.get("more"))}
+            "skip": int(result.get("skip") or 0), "more": bool(result.get("more")), "ended": bool(result.get("ended"))}
 
 
 def _ask(record: Container, message: protocol.Message) -> dict[str, Any]:

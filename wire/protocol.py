@@ -215,6 +215,9 @@ class Logs(Message):
     skip: int = Field(default=0, ge=0, le=defaults.MAX_ITEMS)
     tail: int | None = Field(default=None, ge=0, le=defaults.MAX_ITEMS)
     limit: int = Field(default=defaults.LOGS_CHUNK, gt=0, le=defaults.LOGS_CHUNK)
+    #: one reader following the container: the node keeps the engine's follow stream open between requests,
+    #: and its result adds ``ended`` once the container stopped and everything was read
+    session: str = Field(default="", max_length=64)
 
 
 class Signal(Message):
