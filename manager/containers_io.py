@@ -29,7 +29,7 @@ bp = Blueprint("v1io", __name__, url_prefix="/v1")
 MULTIPLEXED = "application/vnd.docker.multiplexed-stream"
 #: Docker's frame header: stream id, three zero bytes, the payload's length (big-endian).
 FRAME = struct.Struct(">BxxxI")
-#: A followed stream whose node never says it ended stops this long after the container's record ended.
+#: A followed stream whose node never says it ended stops once its record ended and it was quiet this long.
 FOLLOW_GRACE = 5.0
 #: How often a waiting request looks at the record (in memory) to see whether the container ended.
 END_POLL = 0.05
@@ -83,21 +83,22 @@ def container_kill(cid: str) -> Response:
 def _stream(record: Container, piece: dict[str, Any], cursor: dict[str, Any], multiplexed: bool) -> Iterator[bytes]:
     """Pieces of output until there is no more: followed (a ``session``), until its node says the stream ended.
 
-    Should the node never say so, the stream ends ``FOLLOW_GRACE`` seconds after the record ended.
+    Should the node never say so, the stream ends once the record has ended and no output came for
+    ``FOLLOW_GRACE`` seconds.
     """
-    follow, ended_at = bool(cursor.get("session")), None
+    follow, ended, heard = bool(cursor.get("session")), False, time.monotonic()
     while True:
         for stream, data in piece["frames"]:
             yield FRAME.pack(stream, len(data)) + data if multiplexed else data
+        if piece["frames"]:
+            heard = time.monotonic()
         if not piece["more"]:
-            if not follow or piece.get("ended"):
+            if not follow or piece.get("ended") or (ended and time.monotonic() - heard > FOLLOW_GRACE):
                 return
-            if ended_at is None and _ended_within(record.id, defaults.LOGS_POLL):
-                ended_at = time.monotonic()
-            elif ended_at is not None:
-                if time.monotonic() - ended_at > FOLLOW_GRACE:
-                    return
+            if ended:
                 time.sleep(defaults.LOGS_POLL)
+            else:
+                ended = _ended_within(record.id, defaults.LOGS_POLL)
         try:
             piece = _piece(record, {**cursor, "since": piece["since"], "skip": piece["skip"]})
         except GpumgrError:  # the node went away mid-stream: the answer can only end

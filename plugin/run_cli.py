@@ -30,9 +30,8 @@ PROXIED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.
 FORCE_AFTER = 3
 MULTIPLEXED = "application/vnd.docker.multiplexed-stream"
 FRAME = struct.Struct(">BxxxI")
-#: Seconds each wait call asks the manager to hold, and how long the last output may take once it ended.
+#: Seconds each wait call asks the manager to hold.
 WAIT_STEP = 5.0
-DRAIN = 30.0
 
 
 def run_container(client: Any, argv: list[str], error: type[Exception]) -> int:
@@ -100,8 +99,8 @@ class Attached:
             _say(f"got {FORCE_AFTER} SIGINTs, stopped waiting; container {self.id} "
                  + ("is removed" if self.remove else "keeps running"))
             return EXIT_FAILED
-        if reader.is_alive():
-            reader.join(DRAIN)
+        while reader.is_alive() and not self.forced.is_set():  # the manager ends the stream once all is out
+            reader.join(0.2)
         return self._exit_code(end)
 
     def _wait(self) -> dict[str, Any] | None:
