@@ -95,8 +95,8 @@ def _stream(record: Container, piece: dict[str, Any], cursor: dict[str, Any], mu
         if not piece["more"]:
             if not follow or piece.get("ended") or (ended and time.monotonic() - heard > FOLLOW_GRACE):
                 return
-            if ended:
-                time.sleep(defaults.LOGS_POLL)
+            if ended:  # its last lines are on their way: look again soon
+                time.sleep(END_POLL)
             else:
                 ended = _ended_within(record.id, defaults.LOGS_POLL)
         try:

@@ -100,7 +100,7 @@ class Attached:
                  + ("is removed" if self.remove else "keeps running"))
             return EXIT_FAILED
         while reader.is_alive() and not self.forced.is_set():  # the manager ends the stream once all is out
-            reader.join(0.2)
+            reader.join(0.05)
         return self._exit_code(end)
 
     def _wait(self) -> dict[str, Any] | None:
