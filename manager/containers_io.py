@@ -81,10 +81,12 @@ def container_kill(cid: str) -> Response:
 
 
 def _stream(record: Container, piece: dict[str, Any], cursor: dict[str, Any], multiplexed: bool) -> Iterator[bytes]:
-    """Pieces of output until there is no more: followed (a ``session``), until its node says the stream ended.
+    """Pieces of output until there is no more.
 
-    Should the node never say so, the stream ends once the record has ended and no output came for
-    ``FOLLOW_GRACE`` seconds.
+    Followed (a ``session``), until its node says the engine's follow stream ended, or the record has
+    ended and no output came for ``FOLLOW_GRACE`` seconds; then whatever is left after the cursor is
+    read with plain reads, as an engine's follow stream can end before the last lines of a container
+    that stopped.
     """
     follow, ended, heard = bool(cursor.get("session")), False, time.monotonic()
     while True:
@@ -93,9 +95,11 @@ def _stream(record: Container, piece: dict[str, Any], cursor: dict[str, Any], mu
         if piece["frames"]:
             heard = time.monotonic()
         if not piece["more"]:
-            if not follow or piece.get("ended") or (ended and time.monotonic() - heard > FOLLOW_GRACE):
+            if not follow:
                 return
-            if ended:  # its last lines are on their way: look again soon
+            if piece.get("ended") or (ended and time.monotonic() - heard > FOLLOW_GRACE):
+                follow, cursor = False, {}
+            elif ended:  # its last lines are on their way: look again soon
                 time.sleep(END_POLL)
             else:
                 ended = _ended_within(record.id, defaults.LOGS_POLL)
