@@ -7,6 +7,7 @@ checked with ``docker inspect``. Flag parsing is also checked on its own, withou
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import docker.errors
 import pytest
 import yaml
 
@@ -23,12 +25,24 @@ from tests.procs import AgentProc, ManagerProc, wait_for
 
 GiB = 1 << 30
 NODE = f"cli-{os.getpid()}"
+
+
+@pytest.fixture
+def own_containers(docker_client):
+    """Remove what this module's nodes leave in the engine (others' containers come and go meanwhile: the engine
+    is shared, so only this node's are listed, and one removed under the listing is skipped)."""
+    yield
+    for node in (NODE, NODE + "-strict"):
+        for container in docker_client.containers.list(all=True, filters={"label": f"gpumgr.node={node}"},
+                                                       ignore_removed=True):
+            with contextlib.suppress(docker.errors.APIError):
+                container.remove(force=True)
 OPERATOR = "operator-token-0123456789"
 ALICE = "alice-token-0123456789abcdef"
 
 
 @pytest.fixture
-def stack(tmp_path, test_image, cleanup_containers):
+def stack(tmp_path, test_image, own_containers):
     """A manager with one tenant (no policy of its own: the default refuses every host path) and one agent."""
     config = tmp_path / "manager.yaml"
     config.write_text(yaml.safe_dump({"token": OPERATOR, "tenants": {"alice": {"token": ALICE}}}))

@@ -6,11 +6,13 @@ Real ``gpumgr manager`` and ``gpumgr agent`` processes, a real Docker engine, si
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
 from pathlib import Path
 
+import docker.errors
 import pytest
 
 from tests.procs import AgentProc, ManagerProc, wait_for
@@ -21,7 +23,19 @@ NODE = f"run-{os.getpid()}"
 
 
 @pytest.fixture
-def docker_agent(tmp_path, manager, test_image, cleanup_containers):
+def own_containers(docker_client):
+    """Remove what this module's nodes leave in the engine (others' containers come and go meanwhile: the engine
+    is shared, so only this node's are listed, and one removed under the listing is skipped)."""
+    yield
+    for node in (NODE, NODE + "-strict"):
+        for container in docker_client.containers.list(all=True, filters={"label": f"gpumgr.node={node}"},
+                                                       ignore_removed=True):
+            with contextlib.suppress(docker.errors.APIError):
+                container.remove(force=True)
+
+
+@pytest.fixture
+def docker_agent(tmp_path, manager, test_image, own_containers):
     """One agent with two simulated 24 GiB GPUs on the Docker runtime, under a node name no other run uses."""
     proc = AgentProc(tmp_path, manager, NODE)
     yield proc
@@ -157,7 +171,7 @@ def test_lookup_by_name_and_prefix_and_ambiguity(manager, docker_agent, test_ima
 
 
 @pytest.fixture
-def strict_node(tmp_path, manager, test_image, cleanup_containers):
+def strict_node(tmp_path, manager, test_image, own_containers):
     """An agent whose own policy allows binds only from one folder, read-only: a ceiling even for the operator."""
     allowed = tmp_path / "allowed"
     allowed.mkdir()
