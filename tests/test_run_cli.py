@@ -7,7 +7,6 @@ checked with ``docker inspect``. Flag parsing is also checked on its own, withou
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -15,13 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-import docker.errors
 import pytest
 import yaml
 
 from gpumgr.plugin import run_flags
 from gpumgr.plugin.docker_gpu import PluginError
-from tests.procs import AgentProc, ManagerProc, wait_for
+from tests.procs import AgentProc, ManagerProc, remove_containers_of, wait_for
 
 GiB = 1 << 30
 NODE = f"cli-{os.getpid()}"
@@ -29,14 +27,9 @@ NODE = f"cli-{os.getpid()}"
 
 @pytest.fixture
 def own_containers(docker_client):
-    """Remove what this module's nodes leave in the engine (others' containers come and go meanwhile: the engine
-    is shared, so only this node's are listed, and one removed under the listing is skipped)."""
+    """Remove what this module's nodes leave in the engine, and only that (the engine is shared)."""
     yield
-    for node in (NODE, NODE + "-strict"):
-        for container in docker_client.containers.list(all=True, filters={"label": f"gpumgr.node={node}"},
-                                                       ignore_removed=True):
-            with contextlib.suppress(docker.errors.APIError):
-                container.remove(force=True)
+    remove_containers_of(docker_client, NODE, NODE + "-strict")
 OPERATOR = "operator-token-0123456789"
 ALICE = "alice-token-0123456789abcdef"
 

@@ -6,16 +6,14 @@ Real ``gpumgr manager`` and ``gpumgr agent`` processes, a real Docker engine, si
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import struct
 from pathlib import Path
 
-import docker.errors
 import pytest
 
-from tests.procs import AgentProc, ManagerProc, wait_for
+from tests.procs import AgentProc, ManagerProc, remove_containers_of, wait_for
 
 GiB = 1 << 30
 #: A node name of this process's own: the engine is shared, and other runs clean up their nodes' containers.
@@ -24,14 +22,9 @@ NODE = f"run-{os.getpid()}"
 
 @pytest.fixture
 def own_containers(docker_client):
-    """Remove what this module's nodes leave in the engine (others' containers come and go meanwhile: the engine
-    is shared, so only this node's are listed, and one removed under the listing is skipped)."""
+    """Remove what this module's nodes leave in the engine, and only that (the engine is shared)."""
     yield
-    for node in (NODE, NODE + "-strict"):
-        for container in docker_client.containers.list(all=True, filters={"label": f"gpumgr.node={node}"},
-                                                       ignore_removed=True):
-            with contextlib.suppress(docker.errors.APIError):
-                container.remove(force=True)
+    remove_containers_of(docker_client, NODE, NODE + "-strict")
 
 
 @pytest.fixture
