@@ -246,7 +246,7 @@ class Agent:
 
     def _logs(self, message: protocol.Logs) -> dict[str, Any]:
         return self.runtime.logs(message.grant, message.session, since=message.since, skip=message.skip,
-                                 tail=message.tail, limit=message.limit)
+                                 tail=None if message.tail < 0 else message.tail, limit=message.limit)
 
     def _signal(self, message: protocol.Signal) -> dict[str, Any]:
         self.runtime.signal(message.grant, message.signal)

@@ -46,7 +46,8 @@ def container_logs(cid: str) -> Response:
     tail = _tail()
     multiplexed = MULTIPLEXED in request.headers.get("Accept", "")
     cursor = {"session": protocol.new_id()} if follow else {}
-    first = _piece(record, {**cursor, "tail": tail})  # errors before the stream starts are answered as JSON
+    # errors before the stream starts are answered as JSON
+    first = _piece(record, {**cursor, "tail": -1 if tail is None else tail})
     body = stream_with_context(_stream(record, first, cursor, multiplexed))
     response = Response(body, mimetype=MULTIPLEXED if multiplexed else "text/plain")
     response.headers["X-Content-Type-Options"] = "nosniff"

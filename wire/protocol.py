@@ -213,7 +213,8 @@ class Logs(Message):
     grant: str = Field(min_length=1, max_length=64)
     since: str = Field(default="", max_length=32, pattern=r"^([0-9]{1,12}\.[0-9]{9})?$")
     skip: int = Field(default=0, ge=0, le=defaults.MAX_ITEMS)
-    tail: int | None = Field(default=None, ge=0, le=defaults.MAX_ITEMS)
+    #: only the last this many lines (first request only); -1: all
+    tail: int = Field(default=-1, ge=-1, le=defaults.MAX_ITEMS)
     limit: int = Field(default=defaults.LOGS_CHUNK, gt=0, le=defaults.LOGS_CHUNK)
     #: one reader following the container: the node keeps the engine's follow stream open between requests,
     #: and its result adds ``ended`` once the container stopped and everything was read
