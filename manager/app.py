@@ -10,7 +10,7 @@ from flask.json.provider import DefaultJSONProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import HTTPException
 
-from gpumgr.manager import api, dashboard, openapi
+from gpumgr.manager import api, containers_io, dashboard, openapi
 from gpumgr.manager.service import Manager
 from gpumgr.manager.tenants import TenantBook
 from gpumgr.wire.errors import Forbidden, GpumgrError
@@ -27,6 +27,7 @@ def create_app(manager: Manager, test_config: dict[str, Any] | None = None) -> F
     app.config.update(test_config or {})
     app.extensions["gpumgr.manager"] = manager
     app.register_blueprint(api.bp)
+    app.register_blueprint(containers_io.bp)
     app.register_blueprint(dashboard.bp)
     app.add_url_rule("/healthz", "healthz", lambda: healthz(manager))
     app.add_url_rule("/openapi.json", "openapi", lambda: jsonify(openapi.document()))
@@ -90,7 +91,7 @@ def _authorize(tenants: TenantBook) -> tuple[Response, int] | None:
 
 
 def _gpumgr_error(exc: GpumgrError) -> tuple[Response, int]:
-    return _error(exc.code, exc.message, exc.status)
+    return jsonify({"error": exc.to_dict()}), exc.status
 
 
 def _http_error(exc: HTTPException) -> tuple[Response, int]:

@@ -35,6 +35,7 @@ from gpumgr.wire.errors import (
     NoAgents,
     NoFit,
     NotFound,
+    PolicyDenied,
     QuotaExceeded,
 )
 from gpumgr.wire.names import LIVE, EventType, State
@@ -51,6 +52,8 @@ CALLER_ERRORS: dict[str, type[GpumgrError]] = {"invalid_request": InvalidRequest
 def agent_error(node: str, error: protocol.ErrorBody | None, what: str) -> GpumgrError:
     """The error a REST caller gets for a node's refusal: the engine's words, 4xx where it was the caller's fault."""
     message = error.message if error is not None else "unknown error"
+    if error is not None and error.code == PolicyDenied.code:  # the node's own policy: 403 with its rule
+        return PolicyDenied.from_wire(f"node {node} refused: {message}")
     kind = CALLER_ERRORS.get(error.code if error is not None else "")
     if kind is not None:
         return kind(f"node {node} {what}: {message}", code=error.code if error is not None else None)
