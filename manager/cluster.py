@@ -311,8 +311,9 @@ class Cluster(MapReads):
         elif command.kind is OpKind.REMOVE:
             gone = ok or (reply is not None and reply.error is not None and reply.error.code == "not_found")
             if gone:
-                self.life.end_op(record, op)
+                record.op = None  # done: the move below must not fail it; its waiter is woken after the move
                 self.life.move(record, State.REMOVED)
+                self.life.end_op(record, op)
             elif reply is not None or not sent:
                 refused = agent_error(record.node, reply.error if reply else None, "could not remove the container")
                 if record.desired is State.PREEMPTED:
@@ -338,8 +339,8 @@ class Cluster(MapReads):
                 reply = protocol.Reply(ok=False, error=protocol.ErrorBody(code="protocol_error", message=str(exc)))
             else:
                 record.container_id = report.container_id
-                self.life.end_op(record, op)
                 self.life.move(record, State.RUNNING)
+                self.life.end_op(record, op)  # after the move: whoever waits on it sees it running
                 return
         if reply is not None or not sent or isinstance(lost, NoAgents):  # refused or never delivered: nothing made
             refused = agent_error(record.node, reply.error if reply else None, "could not start the container") \
@@ -353,10 +354,16 @@ class Cluster(MapReads):
         self.life.end_op(record, op, lost)
 
     def finish(self, cid: str, state: State, *, reason: str | None = None, exit_code: int | None = None,
-               detail: dict[str, Any] | None = None, finished_at: float | None = None) -> Container:
-        """``cid`` ended (its node's report) or must end now; frees its grant if it still held one."""
+               detail: dict[str, Any] | None = None, finished_at: float | None = None,
+               container_id: str | None = None) -> Container:
+        """``cid`` ended (its node's report) or must end now; frees its grant if it still held one.
+
+        A container that ends at once may be reported ended before its create's answer arrives: the
+        report's ``container_id`` is kept, so its output and record stay reachable.
+        """
         with self.lock:
             record = self._get(cid)
+            record.container_id = record.container_id or container_id or None
             self.life.move(record, state, reason, exit_code=exit_code, detail=detail, finished_at=finished_at)
             return record
 
@@ -366,9 +373,9 @@ class Cluster(MapReads):
             record = self._get(cid)
             record.container_id = report.container_id
             if record.state is State.CREATING:
+                self.life.move(record, State.RUNNING)
                 if record.op is not None and record.op.kind is OpKind.CREATE:
                     self.life.end_op(record, record.op)
-                self.life.move(record, State.RUNNING)
             return record
 
     def follow_ups(self, cid: str) -> list[Command]:
