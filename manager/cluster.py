@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from gpumgr.manager.clock import SYSTEM, Clock
@@ -81,6 +82,8 @@ class Cluster(MapReads):
         self.queue_max = defaults.QUEUE_MAX
         #: how long a node has to answer a create before the manager stops waiting
         self.create_timeout = defaults.CREATE_TIMEOUT
+        #: how record ids are drawn (a test replaying a sequence makes them deterministic)
+        self.new_id: Callable[[], str] = lambda: os.urandom(8).hex()
         #: creates begun by a walk another request caused, and hook records it placed: the dispatcher sends them
         self._to_send: list[Command] = []
         self._hooks_placed: list[Container] = []
@@ -236,7 +239,7 @@ class Cluster(MapReads):
         return record
 
     def _new_record(self, spec: PlacementSpec, tenant: Tenant | None) -> Container:
-        cid = os.urandom(8).hex()
+        cid = self.new_id()
         return Container(id=cid, name=spec.name or f"gpumgr-{cid}", node="", gpus=[], gpu_memory=spec.memory,
                          spec=spec, container_id=spec.container_id, created_at=self.clock.time(),
                          tenant=tenant.name if tenant is not None else spec.tenant, priority=spec.priority,
