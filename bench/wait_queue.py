@@ -205,12 +205,17 @@ def waiting(case: str) -> PlacementSpec:
     return spec(79 * GiB) if case == "big" else spec(GiB, node=FULL)
 
 
+def _record(submitted: Any) -> Any:
+    """The record ``submit`` placed or queued (it returns ``(record, commands)`` since the lifecycle split)."""
+    return submitted[0] if isinstance(submitted, tuple) else submitted
+
+
 def enqueue(cluster: Cluster, case: str, count: int) -> float:
     """Queue ``count`` requests that stay queued; return the seconds it took."""
     request = waiting(case)
     t0 = time.perf_counter()
     for _ in range(count):
-        record = cluster.submit(request, queue=True)
+        record = _record(cluster.submit(request, queue=True))
         if record.state is not State.QUEUED:
             raise RuntimeError(f"a waiting request was placed: {record.state} on {record.gpus}")
     return time.perf_counter() - t0
@@ -224,7 +229,7 @@ def placements(cluster: Cluster, seconds: float) -> tuple[int, float]:
     deadline = start + seconds
     while True:
         for _ in range(64):
-            record = submit(request)
+            record = _record(submit(request))
             if record.state is not creating:
                 raise RuntimeError(f"the measured request was not placed: {record.state}")
             finish(record.id, removed)
