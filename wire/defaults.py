@@ -61,6 +61,10 @@ JOIN_TIMEOUT = 30.0
 #: Agent reconnect backoff: starts small, doubles, capped.
 RECONNECT_MIN = 0.1
 RECONNECT_MAX = 5.0
+#: How long an agent waits for the manager to answer a Join or a Register it could send before asking
+#: again (then doubling, capped at RECONNECT_MAX, each wait jittered): a manager admitting a whole rack
+#: at once answers in well under this, and asking sooner only adds duplicates to its queue.
+ANSWER_WAIT = 0.5
 
 #: Bounds on what a peer may make us allocate; a message over them is a ProtocolError.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
