@@ -22,6 +22,7 @@ from pydantic import (
     WithJsonSchema,
 )
 
+from gpumgr.manager.nodes_cache import NodesCache
 from gpumgr.manager.records import PlacementSpec
 from gpumgr.manager.service import Manager
 from gpumgr.manager.tenants import OPERATOR, TENANT_NAME, Principal
@@ -237,7 +238,7 @@ def delete_container(cid: str) -> tuple[Response, int]:
 def list_nodes() -> Response:
     """The machine × GPU map (a tenant sees every figure, but only its own containers' ids)."""
     if principal().operator:
-        return Response(manager().cluster.nodes_json(), mimetype="application/json")
+        return cast(NodesCache, current_app.extensions["gpumgr.nodes"]).response(request)
     return jsonify({"nodes": manager().cluster.nodes_view(principal())})
 
 

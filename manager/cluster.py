@@ -840,6 +840,11 @@ class Cluster:
             return [node_view(n, lambda cid: self._containers[cid].tenant == principal.tenant)
                     for n in self._nodes.values()]
 
+    @property
+    def map_version(self) -> int:  # issue 20
+        """Bumped whenever a grant or a node changes (``GET /v1/nodes``'s cache keys on it)."""  # issue 20
+        return self._map_version  # issue 20
+
     def nodes_json(self) -> bytes:
         """``{"nodes": nodes_view()}`` encoded, rebuilt when a grant or a node changes or it is ``map_max_age`` old.
 
