@@ -313,14 +313,15 @@ class Manager:
         return node
 
     def _join(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Join) -> None:
-        try:
-            self.admission.admit(peer.key, message.node, message.proof)
-        except GpumgrError as exc:
-            log.warning("refused an agent joining as node %s: %s", message.node, exc.message)
-            reply = protocol.Reply(ok=False, error=protocol.ErrorBody(code=exc.code, message=exc.message))
-        else:
-            reply = protocol.Reply(ok=True, result={"node": message.node})
-        self.link.send(peer.routing_id, reply, reply_to=envelope.id)
+        def settled(exc: GpumgrError | None) -> None:  # issue 20: answered once the binding is on disk
+            if exc is not None:
+                log.warning("refused an agent joining as node %s: %s", message.node, exc.message)
+                reply = protocol.Reply(ok=False, error=protocol.ErrorBody(code=exc.code, message=exc.message))
+            else:
+                reply = protocol.Reply(ok=True, result={"node": message.node})
+            self.link.send(peer.routing_id, reply, reply_to=envelope.id)
+
+        self.admission.admit_later(peer.key, message.node, message.proof, settled)  # issue 20
 
     def _register(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Register) -> None:
         before = self.cluster.routing_id_of(message.node)
