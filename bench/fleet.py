@@ -22,7 +22,12 @@ Phases, one after the other on the same manager:
 4. **placements**: ``--placements`` containers created over REST by ``--clients`` threads of another
    process (gpus 1, then gpus 2-4), then removed; placements per second, and every grant freed.
 
-    python bench/fleet.py [--agents 1000] [--gpus 8] [--steady 10] [--poll-hz 20] [--placements 400] [--json out.json]
+``--against REV`` also runs every phase on a manager of git revision ``REV`` (laid out from ``git
+archive`` and put first on its PYTHONPATH) with the agents' retry policy of then (``old``), the two
+alternating ``--reps`` times, and reports both and their ratios.
+
+    python bench/fleet.py [--agents 1000] [--gpus 8] [--steady 10] [--poll-hz 20] [--placements 400]
+                          [--against main] [--reps 1] [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ from __future__ import annotations
 import argparse
 import heapq
 import multiprocessing
+import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,15 +53,17 @@ import requests
 import zmq
 
 from bench.harness import (
+    ROOT,
     Client,
     GiB,
+    Proc,
     answers,
     cpu_seconds,
     free_port,
-    gpumgr,
     join_token,
     machine,
     machine_line,
+    median,
     save,
     summary,
     table,
@@ -332,19 +341,36 @@ def herd(fleet: Fleet, api: Client, timeout: float) -> dict[str, Any]:
             "join_s": [a.joined - t0 for a in fleet.agents], "registered_s": [a.registered - t0 for a in fleet.agents]}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Every phase on one fresh manager; the figures."""
+def stage(rev: str, into: Path) -> Path:
+    """Git revision ``rev`` laid out as the gpumgr package (as .ci/typecheck does); returns the PYTHONPATH entry."""
+    tree, package = into / "tree", into / "path" / "gpumgr"
+    tree.mkdir(parents=True)
+    package.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    for file in (tree / "gpumgr").glob("*.py"):
+        (package / file.name).symlink_to(file)
+    for part in ("manager", "agent", "plugin", "wire"):
+        (package / part).symlink_to(tree / part)
+    return into / "path"
+
+
+def run(args: argparse.Namespace, retry: str, pythonpath: Path | None = None) -> dict[str, Any]:
+    """Every phase on one fresh manager (of the tree on ``pythonpath``, else this one); the figures."""
     tmp = Path(tempfile.mkdtemp(prefix="gpumgr-fleet-"))
     port, agents_port = free_port(), free_port()
     url, endpoint = f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{agents_port}"
-    manager = gpumgr(["manager", "--api", f"127.0.0.1:{port}", "--agents", endpoint, "--state-dir",
-                      str(tmp / "state"), "--log-level", "WARNING"], tmp / "manager.log")
+    env = {"PYTHONPATH": f"{pythonpath}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"} if pythonpath else None
+    # -P: the working directory (this checkout) must not shadow the tree on PYTHONPATH
+    manager = Proc([sys.executable, "-P", "-m", "gpumgr", "manager", "--api", f"127.0.0.1:{port}", "--agents",
+                    endpoint, "--state-dir", str(tmp / "state"), "--log-level", "WARNING"], tmp / "manager.log", env)
     fleet: Fleet | None = None
     try:
         wait_for(lambda: manager.check() and answers(f"{url}/healthz"), 20, what="the manager")
         api = Client(url)
-        fleet = Fleet(endpoint, join_token(tmp / "state"), args.agents, args.gpus, args.retry)
-        out: dict[str, Any] = {}
+        fleet = Fleet(endpoint, join_token(tmp / "state"), args.agents, args.gpus, retry)
+        # which tree serves: only this one's map carries an ETag
+        out: dict[str, Any] = {"map_etag": "ETag" in api.get("/v1/nodes").headers}
         out["herd"], out["herd"]["manager_cpu"] = cpu_share(manager.pid, lambda: herd(fleet, api, args.timeout))
         print(f"  herd: {args.agents} registered in {out['herd']['all_registered_s']:.2f} s", file=sys.stderr)
         fleet.round_trips.clear()
@@ -378,10 +404,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"logs kept in {tmp}", file=sys.stderr)
 
 
-def report(args: argparse.Namespace, out: dict[str, Any]) -> None:
-    """Print the tables."""
+def report(args: argparse.Namespace, out: dict[str, Any], title: str) -> None:
+    """Print the tables of one run."""
     h = out["herd"]
-    print(f"\n{args.agents} agents x {args.gpus} GPUs, retry policy '{args.retry}'")
+    print(f"\n{title}: {args.agents} agents x {args.gpus} GPUs; the manager's map has an ETag: {out['map_etag']}")
     table([("herd", "44"), ("value", "12.2f")], [
         ["all Registered (s from first Join)", h["all_registered_s"]],
         ["all ready in GET /v1/nodes (s)", h["all_ready_s"]],
@@ -413,6 +439,23 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> None:
           f"{f['down_events']} node_down events, {f['heartbeats_sent']} heartbeats sent")
 
 
+def headline(out: dict[str, Any]) -> dict[str, float]:
+    """The figures the goals name, of one run."""
+    polled = summary(out["polled"]["latency_s"], 1e3)
+    quiet = summary(out["heartbeats"]["round_trip_s"], 1e3)
+    return {"herd: all Registered s": out["herd"]["all_registered_s"],
+            "herd: all ready in GET /v1/nodes s": out["herd"]["all_ready_s"],
+            "herd: Joins sent": out["herd"]["joins_sent"], "herd: Registers sent": out["herd"]["registers_sent"],
+            "herd: manager CPU cores": out["herd"]["manager_cpu"],
+            "heartbeats: manager CPU cores": out["heartbeats"]["manager_cpu"],
+            "heartbeats: link round trip p50 ms": quiet["p50"], "heartbeats: link round trip p99 ms": quiet["p99"],
+            "polled: manager CPU cores": out["polled"]["manager_cpu"],
+            "polled: GET /v1/nodes p50 ms": polled["p50"], "polled: GET /v1/nodes p99 ms": polled["p99"],
+            "polled: GET /v1/nodes bytes": float(sorted(out["polled"]["bytes"])[len(out["polled"]["bytes"]) // 2]),
+            **{f"{name}: per s": len(out[name]["statuses"]) / out[name]["elapsed"]
+               for name in ("placements gpus=1", "placements gpus=2..4")}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agents", type=int, default=1000)
@@ -425,14 +468,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--placements", type=int, default=400, help="containers created per placement phase")
     parser.add_argument("--clients", type=int, default=8, help="REST clients placing at once")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any phase may take at most")
+    parser.add_argument("--against", metavar="REV", help="also run a manager of this git revision, alternating")
+    parser.add_argument("--reps", type=int, default=1, help="runs of each variant")
     parser.add_argument("--keep", action="store_true", help="keep the manager's log")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     info = machine(zmq=zmq.zmq_version(), pyzmq=zmq.__version__)
-    out = run(args)
-    report(args, out)
-    print(machine_line(info))
-    save(args.json, "fleet", args, machine=info, **out)
+    staged = Path(tempfile.mkdtemp(prefix="gpumgr-fleet-tree-")) if args.against else None
+    try:
+        variants: list[tuple[str, str, Path | None]] = [("this tree", args.retry, None)]
+        if args.against and staged is not None:
+            variants = [(f"before ({args.against})", "old", stage(args.against, staged)),
+                        ("after (this tree)", args.retry, None)]
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
+        for rep in range(args.reps):
+            for name, retry, path in variants:
+                print(f"rep {rep + 1}/{args.reps}: {name}", file=sys.stderr)
+                out = run(args, retry, path)
+                report(args, out, f"{name}, rep {rep + 1}")
+                runs[name].append(out)
+    finally:
+        if staged is not None:
+            shutil.rmtree(staged, ignore_errors=True)
+    heads = {name: {k: median(h[k] for h in map(headline, outs)) for k in headline(outs[0])}
+             for name, outs in runs.items()}
+    names = list(heads)
+    columns = [("medians over reps", "44"), *((n[:16], "16,.2f") for n in names)]
+    rows = [[k, *(heads[n][k] for n in names)] for k in heads[names[0]]]
+    if len(names) == 2:
+        columns.append(("after/before", "12.2f"))
+        for row in rows:
+            row.append(row[2] / row[1] if row[1] else float("nan"))
+    table(columns, rows, lead="\n")
+    print(machine_line(info) + f"; load average at start {info['loadavg_at_start']}")
+    save(args.json, "fleet", args, machine=info, headline=heads, runs=runs)
     return 0
 
 

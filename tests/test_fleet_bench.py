@@ -23,7 +23,9 @@ def run_fleet(tmp_path: Path, *extra: str) -> dict:
                            "--placements", "24", "--clients", "4", "--timeout", "60", "--json", str(out), *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return json.loads(out.read_text())
+    runs = json.loads(out.read_text())["runs"]
+    assert list(runs) == ["this tree"] and len(runs["this tree"]) == 1
+    return runs["this tree"][0]
 
 
 @pytest.mark.timeout(300)

@@ -93,6 +93,11 @@ NODE_FORGET_AFTER = 24 * 3600.0
 #: A hook-granted container must show up in its node's reports within this long, or its grant is released.
 HOOK_CONFIRM = HOOK_WAIT + 3 * HEARTBEAT_INTERVAL
 
+#: The manager's collector thresholds (young, middle, old; Python's are 700, 10, 10) and GIL hand-over
+#: interval (Python's is 5 ms): see ``gpumgr.cli.tune_for_latency``.
+GC_THRESHOLD = (20_000, 20, 50)
+SWITCH_INTERVAL = 0.002
+
 #: ``GET /v1/nodes`` serves a cached map this old at most while no grant or node changed.
 MAP_MAX_AGE = 0.5
 
