@@ -322,6 +322,7 @@ def cpu_share(pid: int, work: Any) -> tuple[Any, float]:
 def herd(fleet: Fleet, api: Client, timeout: float) -> dict[str, Any]:
     """Phase 1: every Join at once; the times to all Registered and to all ready in ``GET /v1/nodes``."""
     n = len(fleet.agents)
+    own = cpu_seconds(os.getpid())
     t0 = fleet.start()
     deadline = t0 + timeout
     while fleet.ready() < n and not fleet.refused and time.perf_counter() < deadline:
@@ -335,7 +336,7 @@ def herd(fleet: Fleet, api: Client, timeout: float) -> dict[str, Any]:
             break
         fleet.run(time.perf_counter() + 0.05)
     ready = time.perf_counter() - t0
-    return {"all_registered_s": registered, "all_ready_s": ready,
+    return {"all_registered_s": registered, "all_ready_s": ready, "fleet_cpu": (cpu_seconds(os.getpid()) - own) / ready,
             "joins_sent": sum(a.sent["join"] for a in fleet.agents),
             "registers_sent": sum(a.sent["register"] for a in fleet.agents),
             "join_s": [a.joined - t0 for a in fleet.agents], "registered_s": [a.registered - t0 for a in fleet.agents]}
@@ -413,7 +414,8 @@ def report(args: argparse.Namespace, out: dict[str, Any], title: str) -> None:
         ["all ready in GET /v1/nodes (s)", h["all_ready_s"]],
         ["Joins sent (one each is needed)", h["joins_sent"]],
         ["Registers sent (one each is needed)", h["registers_sent"]],
-        ["manager CPU meanwhile (cores)", h["manager_cpu"]]], lead="\n")
+        ["manager CPU meanwhile (cores)", h["manager_cpu"]],
+        ["this process (the fleet) meanwhile (cores)", h["fleet_cpu"]]], lead="\n")
     rows = []
     for phase in ("heartbeats", "polled"):
         rt = summary(out[phase]["round_trip_s"], 1e3) if out[phase]["round_trip_s"] else {"p50": 0, "p99": 0, "max": 0}
@@ -446,7 +448,7 @@ def headline(out: dict[str, Any]) -> dict[str, float]:
     return {"herd: all Registered s": out["herd"]["all_registered_s"],
             "herd: all ready in GET /v1/nodes s": out["herd"]["all_ready_s"],
             "herd: Joins sent": out["herd"]["joins_sent"], "herd: Registers sent": out["herd"]["registers_sent"],
-            "herd: manager CPU cores": out["herd"]["manager_cpu"],
+            "herd: manager CPU cores": out["herd"]["manager_cpu"], "herd: fleet CPU cores": out["herd"]["fleet_cpu"],
             "heartbeats: manager CPU cores": out["heartbeats"]["manager_cpu"],
             "heartbeats: link round trip p50 ms": quiet["p50"], "heartbeats: link round trip p99 ms": quiet["p99"],
             "polled: manager CPU cores": out["polled"]["manager_cpu"],

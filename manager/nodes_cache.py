@@ -4,9 +4,10 @@ At 1,000 nodes × 8 GPUs the map is 1.6 MB of JSON and takes milliseconds to bui
 on the request path every time the previous copy aged out, it gave a poller at 20 Hz a p99 of over
 100 ms. Here a background thread rebuilds the copy before it ages out while someone polls, so a
 request usually finds a fresh one; a grant or a node changing (the map's version) still makes the
-next request see the change at once. Each copy carries an ETag: a client sending it back in
-``If-None-Match`` gets a bodiless 304 while the map has not changed. A client accepting gzip gets
-the copy compressed (about a tenth of the bytes), compressed once per copy, not per request.
+next request see the change at once. The thread rebuilds only for pollers that asked since its last
+build, so a burst of placements does not make it rebuild at every grant. Each copy carries an
+ETag: a client sending it back in ``If-None-Match`` gets a bodiless 304 while the map has not
+changed. A client accepting gzip gets the copy compressed (2-10% of the bytes), once per copy.
 """
 
 from __future__ import annotations
@@ -54,13 +55,15 @@ class NodesCache:
         self._thread: threading.Thread | None = None
         self._thread_lock = threading.Lock()
         self._asked = 0.0
+        #: a request came since the last build: only then is a rebuild worth its cost
+        self._wanted = False
         self._gzip_wanted = False
         self._count = 0
         self._boot = os.urandom(4).hex()  # ETags of another manager process never match ours
 
     def response(self, request: Request) -> Response:
         """The map for ``request``: 304 if it holds the current ETag, else the body (gzipped if accepted)."""
-        self._asked = time.monotonic()
+        self._asked, self._wanted = time.monotonic(), True
         self._keep_fresh()
         copy = self.current()
         if copy.etag in request.if_none_match:
@@ -92,6 +95,7 @@ class NodesCache:
             time.monotonic() - copy.built < self.cluster.map_max_age * share
 
     def _build(self) -> Copy:
+        self._wanted = False
         version = self.cluster.map_version  # read first: a change during the build makes the copy stale at once
         view = self.cluster.nodes_view()
         self._count += 1
@@ -114,7 +118,9 @@ class NodesCache:
     def _rebuild_while_asked(self) -> None:
         while time.monotonic() - self._asked < IDLE_AFTER:
             copy = self._copy
-            if copy is None or not self._fresh(copy, REBUILD_AT):
+            # only for a poller that came since the last build: while grants change many times a
+            # second, rebuilding at each change would cost a core for copies nobody reads
+            if self._wanted and (copy is None or not self._fresh(copy, REBUILD_AT)):
                 with self._build_lock:
                     copy = self._build()
                 if self._gzip_wanted:
