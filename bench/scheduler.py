@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rates: dict[str, list[float]] = {}
     for rep in range(args.reps):
-        for label, module in variants:
+        for label, module in variants if rep % 2 == 0 else variants[::-1]:  # who goes first alternates
             measure(maps[label], module, args, rates, label)
         print(f"  rep {rep + 1}/{args.reps} done", file=sys.stderr)
 
