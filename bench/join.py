@@ -107,16 +107,21 @@ def one_run(n: int, gpus: int, heartbeat_interval: float, timeout: float) -> dic
             "whole_s": [a.registered - a.start for a in agents.values()]}
 
 
+def new_joins(tmp: str, n: int) -> tuple[Admission, list[tuple[str, str, str]]]:
+    """An Admission in ``tmp`` and ``n`` joins of new nodes for it: (key, node, proof)."""
+    admission = Admission(tmp)
+    secret = admission.join_secret()
+    keys = [(security.KeyPair.generate().public, f"join-{i:04d}") for i in range(n)]
+    return admission, [(key, node, security.join_proof(secret, key, node)) for key, node in keys]
+
+
 def admit_alone(n: int) -> list[float]:
     """Seconds of each ``Admission.admit`` of ``n`` new nodes in a fresh state directory (no link)."""
     tmp = tempfile.mkdtemp(prefix="gpumgr-bench-admit-")
     try:
-        admission = Admission(tmp)
-        secret = admission.join_secret()
+        admission, joins = new_joins(tmp, n)
         out = []
-        for i in range(n):
-            key, node = security.KeyPair.generate().public, f"join-{i:04d}"
-            proof = security.join_proof(secret, key, node)
+        for key, node, proof in joins:
             t0 = time.perf_counter()
             admission.admit(key, node, proof)
             out.append(time.perf_counter() - t0)
@@ -129,12 +134,7 @@ def admit_batched(n: int) -> float:
     """Seconds from the first of ``n`` ``Admission.admit_later`` calls to the last join settled (bindings on disk)."""
     tmp = tempfile.mkdtemp(prefix="gpumgr-bench-admit-")
     try:
-        admission = Admission(tmp)
-        secret = admission.join_secret()
-        joins = []
-        for i in range(n):
-            key, node = security.KeyPair.generate().public, f"join-{i:04d}"
-            joins.append((key, node, security.join_proof(secret, key, node)))
+        admission, joins = new_joins(tmp, n)
         settled = threading.Semaphore(0)
         t0 = time.perf_counter()
         for key, node, proof in joins:

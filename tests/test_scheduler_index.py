@@ -30,6 +30,15 @@ def best_sum(slots: list[GpuSlot], memory: int, count: int, spread: bool) -> int
     return max(sums) if spread else min(sums)
 
 
+def set_ready(index: FreeIndex, node_slots: list[GpuSlot], ready: bool) -> None:
+    """What the cluster map does when a node comes up (its GPUs in, once) or goes down (out)."""
+    for slot in node_slots:
+        if not ready:
+            index.discard(slot)
+        elif slot not in index:
+            index.add(slot)
+
+
 steps = st.lists(st.one_of(
     st.tuples(st.just("reserve"), st.integers(0, 99), st.integers(0, 12)),
     st.tuples(st.just("down"), st.integers(0, 99), st.just(0)),
@@ -53,11 +62,7 @@ def test_multi_gpu_choice_matches_brute_force_through_many_changes(shape, ops, p
             index.update(slot)
         elif op in ("up", "down"):
             node = f"n{a % len(shape)}"
-            for slot in (s for s in slots if s.node == node):
-                if op == "up" and slot not in index:
-                    index.add(slot)
-                elif op == "down":
-                    index.discard(slot)
+            set_ready(index, [s for s in slots if s.node == node], op == "up")
             (up.add if op == "up" else up.discard)(node)
         elif up:
             ready = [s for s in slots if s.node in up]
