@@ -23,7 +23,8 @@ Phases, one after the other on the same manager:
    process (gpus 1, then gpus 2-4), then removed; placements per second, and every grant freed.
 
 ``--against REV`` also runs every phase on a manager of git revision ``REV`` (laid out from ``git
-archive`` and put first on its PYTHONPATH) with the agents' retry policy of then (``old``), the two
+archive`` and put first on its PYTHONPATH) with the agents' retry policy of then (``--before-retry``,
+default ``old``), the two
 alternating ``--reps`` times, and reports both and their ratios.
 
     python bench/fleet.py [--agents 1000] [--gpus 8] [--steady 10] [--poll-hz 20] [--placements 400]
@@ -471,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=8, help="REST clients placing at once")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any phase may take at most")
     parser.add_argument("--against", metavar="REV", help="also run a manager of this git revision, alternating")
+    parser.add_argument("--before-retry", choices=["agent", "old"], default="old",
+                        help="the retry policy of the agents of --against's manager")
     parser.add_argument("--reps", type=int, default=1, help="runs of each variant")
     parser.add_argument("--keep", action="store_true", help="keep the manager's log")
     parser.add_argument("--json", help="write the results here")
@@ -480,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         variants: list[tuple[str, str, Path | None]] = [("this tree", args.retry, None)]
         if args.against and staged is not None:
-            variants = [(f"before ({args.against})", "old", stage(args.against, staged)),
+            variants = [(f"before ({args.against})", args.before_retry, stage(args.against, staged)),
                         ("after (this tree)", args.retry, None)]
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
         for rep in range(args.reps):

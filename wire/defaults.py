@@ -66,6 +66,9 @@ RECONNECT_MAX = 5.0
 #: at once answers in well under this, and asking sooner only adds duplicates to its queue.
 ANSWER_WAIT = 0.5
 
+#: Connections the manager's link lets wait to be accepted (ZeroMQ's default is 100): a whole rack.
+LINK_BACKLOG = 2048
+
 #: Bounds on what a peer may make us allocate; a message over them is a ProtocolError.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 #: Per-field bounds inside a frame: no string over 64 KiB, no list or map over this many items.
