@@ -11,6 +11,7 @@ a :class:`~gpumgr.wire.link.Link` (a DEALER) whose owner thread is the one that 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -22,12 +23,15 @@ from typing import Any
 import zmq
 
 from gpumgr.agent.enforcer import Enforcer, EnforcerSettings
+from gpumgr.agent.fence import Fence, StaleEpoch
 from gpumgr.agent.gpus import GpuSource
 from gpumgr.agent.hookrelay import MANAGER, HookRelay, bind_relay
 from gpumgr.agent.identity import Identity
+from gpumgr.agent.managers import NOT_LEADER, SILENT_AFTER, ManagerSet, parse_managers
 from gpumgr.agent.meter import Sample, take_sample
 from gpumgr.agent.runtime import ChangeCallback, Managed, Runtime
 from gpumgr.wire import defaults, protocol, security
+from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.errors import AgentFailed, GpumgrError, ProtocolError
 from gpumgr.wire.link import Link, LinkHooks, Peer
 
@@ -36,7 +40,11 @@ DEFAULT_ENFORCEMENT = EnforcerSettings()
 
 
 class Agent:
-    """Connects ``node``'s GPUs (``source``) and containers (``runtime``) to the manager at ``endpoint``."""
+    """Connects ``node``'s GPUs (``source``) and containers (``runtime``) to the manager at ``endpoint``.
+
+    ``endpoint`` may name several managers, comma-separated: the agent follows the leader among them
+    (:mod:`gpumgr.agent.managers`) and refuses commands from deposed leaders (:mod:`gpumgr.agent.fence`).
+    """
 
     def __init__(self, node: str, endpoint: str, source: GpuSource, runtime: Runtime, identity: Identity, *,
                  heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL,
@@ -44,6 +52,8 @@ class Agent:
                  join_timeout: float = defaults.JOIN_TIMEOUT) -> None:
         self.node = node
         self.endpoint = endpoint
+        #: this process's id in registrations: the manager tells a restart (new id) from a reconnect
+        self.instance = os.urandom(8).hex()
         self.source = source
         self.devices = source.devices()
         self.runtime = runtime
@@ -51,6 +61,9 @@ class Agent:
         self.registered = threading.Event()
         self.hook_socket = hook_socket
         self.identity = identity
+        #: the managers given (the leader among them is followed) and the highest leader epoch seen
+        self.managers = ManagerSet(parse_managers(endpoint))
+        self.fence = Fence(identity.folder)
         #: Why the agent stopped on its own (refused by the manager); None while it serves or after stop().
         self.failure: str | None = None
         self._join = identity.join
@@ -61,8 +74,8 @@ class Agent:
         self._relay: HookRelay | None = None
         self._backoff, self._next_register, self._next_beat = defaults.RECONNECT_MIN, 0.0, 0.0
         hooks = LinkHooks(on_tick=self._tick, descriptors=self._descriptors, on_ready=self._on_ready,
-                          on_stop=self._on_stop)
-        self.link = Link(zmq.DEALER, endpoint, self._handle, bind=False, configure=self._configure,
+                          on_stop=self._on_stop, screen=self._screen)
+        self.link = Link(zmq.DEALER, self.managers.current, self._handle, bind=False, configure=self._configure,
                          tick=defaults.LINK_TICK, hooks=hooks, name="agent-link")
         self.enforcer = None if enforcement is None else Enforcer(source, self.devices, runtime, self.report_overrun,
                                                                   enforcement)
@@ -105,7 +118,12 @@ class Agent:
         now = time.monotonic()
         if self._join is not None:
             return self._join_tick(now)
+        if self.managers.several and self.registered.is_set() and self.link.unreachable_for() > SILENT_AFTER:
+            self.registered.clear()
+            self._move_on(f"nothing reached it for {SILENT_AFTER:g}s")
         if not self.registered.is_set() and now >= self._next_register:
+            if self.managers.unanswered():
+                self._move_on("it did not answer this node's registration")
             self._next_register = now + jittered(max(self._backoff, defaults.ANSWER_WAIT))
             self._backoff = min(self._backoff * 2, defaults.RECONNECT_MAX)
             self.link.send(MANAGER, self._register_message())
@@ -131,6 +149,8 @@ class Agent:
         self._joining = False
         if done.exception() is not None:  # unanswered: ZeroMQ may still be connecting; ask again
             self._backoff = min(self._backoff * 2, defaults.RECONNECT_MAX)
+            if self.managers.unanswered():
+                self._move_on("it did not answer this agent's join")
             return
         reply = done.result()
         if not reply.ok:
@@ -138,7 +158,24 @@ class Agent:
             return
         self.identity.remember(self.node)
         self._join, self._backoff, self._next_register = None, defaults.RECONNECT_MIN, 0.0
-        log.info("joined the manager at %s as node %s", self.endpoint, self.node)
+        log.info("joined the manager at %s as node %s", self.managers.current, self.node)
+
+    def _move_on(self, why: str) -> None:
+        """Talk to the next manager given (several were): the one in use is gone or does not lead."""
+        self.link.reconnect(self.managers.advance(why))
+        self._backoff, self._next_register = defaults.RECONNECT_MIN, 0.0
+
+    def _screen(self, envelope: protocol.Envelope, message: protocol.Message) -> Exception | None:
+        """Refuse (and drop) any frame, replies included, from a manager older than the leader this agent follows."""
+        try:
+            self.fence.admit(None if envelope.epoch is None else Epoch(*envelope.epoch))
+            return None
+        except StaleEpoch as exc:
+            log.warning("%s (a %s message dropped)", exc.message, envelope.type)
+            if isinstance(message, protocol.Create | protocol.Remove | protocol.Resize):
+                error = protocol.ErrorBody(code=exc.code, message=exc.message)
+                self.link.send(MANAGER, protocol.Reply(ok=False, error=error), reply_to=envelope.id)
+            return exc
 
     def _fail(self, reason: str) -> None:
         log.error("%s", reason)
@@ -160,9 +197,12 @@ class Agent:
     def _handle(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Message) -> None:
         if isinstance(message, protocol.Registered):
             self.interval = message.heartbeat_interval
+            self.managers.answered()
             self.registered.set()
             self._backoff, self._next_beat = defaults.RECONNECT_MIN, 0.0
-            log.info("registered with the manager at %s", self.endpoint)
+            log.info("registered with the manager at %s", self.managers.current)
+        elif isinstance(message, protocol.Refused) and message.code == NOT_LEADER and self.managers.several:
+            self._move_on(f"it does not lead: {message.message}")
         elif isinstance(message, protocol.Refused):
             self._fail(f"the manager refused this node's registration: {message.message}")
         elif isinstance(message, protocol.Reregister):
@@ -189,7 +229,8 @@ class Agent:
         managed = _newest_ends(self.runtime.managed(), defaults.FINISHED_KEPT)
         refused = list(self.runtime.refused)
         message = protocol.Register(node=self.node, runtime=self.runtime.kind, gpus=gpus,
-                                    containers=[m.report() for m in managed], refused=refused)
+                                    containers=[m.report() for m in managed], refused=refused,
+                                    instance=self.instance)
         try:
             protocol.encode(message)
         except ProtocolError:  # long commands or labels: the grants matter, those do not
@@ -265,7 +306,11 @@ def _newest_ends(managed: list[Managed], keep: int) -> list[Managed]:
 
 def _dealer_options(sock: zmq.Socket[bytes]) -> None:
     """Connect lazily and keep only what the manager can take: queued frames wait for a connection."""
+    # ZeroMQ's own heartbeats find a manager that stopped answering (paused, or its host gone) and drop
+    # the connection, so frames stop leaving and the agent moves to the next manager
     for option, value in ((zmq.IMMEDIATE, 1), (zmq.SNDHWM, 1000),
+                          (zmq.HEARTBEAT_IVL, int(defaults.HEARTBEAT_INTERVAL * 1000)),
+                          (zmq.HEARTBEAT_TIMEOUT, int(defaults.NODE_DOWN_AFTER * 1000)),
                           (zmq.RECONNECT_IVL, int(defaults.RECONNECT_MIN * 1000)),
                           (zmq.RECONNECT_IVL_MAX, int(defaults.RECONNECT_MAX * 1000))):
         sock.setsockopt(option, value)
@@ -273,7 +318,8 @@ def _dealer_options(sock: zmq.Socket[bytes]) -> None:
 
 def build_runtime(kind: str, on_change: ChangeCallback, *, network_mode: str | None, device_requests: str,
                   gpu_kind: str, log_dir: str, mps: bool = False, node: str = "",
-                  state_dir: str | Path | None = None) -> Runtime:
+                  state_dir: str | Path | None = None, guard_control: str | None = None,
+                  hook_limits: Any = None) -> Runtime:
     """The runtime ``kind``, chosen once at start and kept for the agent's life.
 
     ``auto`` means Docker wherever an engine is installed: when its socket exists but does not answer
@@ -296,7 +342,7 @@ def build_runtime(kind: str, on_change: ChangeCallback, *, network_mode: str | N
         time.sleep(1.0)
     use_requests = device_requests == "always" or (device_requests == "auto" and gpu_kind == "nvml" and _has_nvidia())
     return DockerRuntime(on_change, node=node, network_mode=network_mode, device_requests=use_requests, mps=mps,
-                         state_dir=state_dir)
+                         state_dir=state_dir, guard_control=guard_control, hook_limits=hook_limits)
 
 
 def _has_nvidia() -> bool:

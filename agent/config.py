@@ -43,4 +43,12 @@ class AgentSettings(Settings):
     mps: bool = False
     hook_socket: str | None = "/run/gpumgr/agent.sock"
     proc_root: str = "/proc"
+    # the guard (gpumgr guard, the engine's authorization plugin) and what plain `docker run`s may ask the hook for
+    guard_socket: str = "/run/docker/plugins/gpumgr-guard.sock"
+    guard_control: str = "/run/gpumgr/guard.sock"
+    guard_state: str = "/var/lib/gpumgr/guard.json"
+    guard_allow: list[str] = Field(default_factory=list)
+    hook_tenant: str | None = None
+    hook_max_priority: int = Field(0, ge=-defaults.MAX_PRIORITY, le=defaults.MAX_PRIORITY)
+    hook_max_memory: Annotated[int, BeforeValidator(size)] | None = None
     log_level: str = "INFO"

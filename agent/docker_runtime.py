@@ -17,6 +17,8 @@ from docker.models.containers import Container
 from docker.types import CancellableStream, DeviceRequest
 
 from gpumgr.agent import procmap
+from gpumgr.agent.guard_client import ticket_labels
+from gpumgr.agent.hook_limits import HookLimits
 from gpumgr.agent.runtime import (
     ChangeCallback,
     Managed,
@@ -52,8 +54,11 @@ class DockerRuntime(Runtime):
 
     def __init__(self, on_change: ChangeCallback, *, node: str = "", network_mode: str | None = None,
                  device_requests: bool = False, client: docker.DockerClient | None = None, mps: bool = False,
-                 state_dir: str | Path | None = None) -> None:
+                 state_dir: str | Path | None = None, guard_control: str | None = None,
+                 hook_limits: HookLimits | None = None) -> None:
         super().__init__(on_change, mps=mps)
+        self.guard_control = guard_control  # issue 22
+        self.hook_limits = hook_limits or HookLimits()  # issue 22
         #: the grants this agent took for hook-created containers, kept where no container can change them
         self._ledger = Path(state_dir, TASKS_FILE) if state_dir is not None else None
         self._resized_file = Path(state_dir, RESIZED_FILE) if state_dir is not None else None
@@ -82,6 +87,7 @@ class DockerRuntime(Runtime):
         if not spec.image:
             raise RuntimeFailure("an image is required on a node that runs Docker", code="invalid_request")
         labels = {**spec.labels, **grant_labels(spec), Label.NODE: self.node}
+        labels.update(ticket_labels(self.guard_control))  # issue 22: the guard lets this one create through
         requests = [DeviceRequest(driver="nvidia", device_ids=spec.gpus, capabilities=[["gpu"]])] \
             if self.device_requests else None
         api = self.client.api
@@ -92,9 +98,11 @@ class DockerRuntime(Runtime):
                 host_config=api.create_host_config(network_mode=self.network_mode, device_requests=requests),
             )
         except docker.errors.ImageNotFound as exc:
-            raise RuntimeFailure(f"image {spec.image!r} is not on this node: {exc.explanation}") from exc
+            raise RuntimeFailure(f"image {spec.image!r} is not on this node: {exc.explanation}",
+                                 code="image_not_found") from exc
         except docker.errors.APIError as exc:
-            raise RuntimeFailure(f"docker could not create the container: {exc.explanation}") from exc
+            raise RuntimeFailure(f"docker could not create the container: {exc.explanation}",
+                                 code=_caller_code(exc)) from exc
         container_id = str(created["Id"])
         managed = managed_from_labels(container_id, labels, spec.image, State.RUNNING)
         self._track(managed)
@@ -103,7 +111,8 @@ class DockerRuntime(Runtime):
         except docker.errors.APIError as exc:
             self._untrack(spec.grant)
             self._force_remove(container_id)
-            raise RuntimeFailure(f"docker could not start the container: {exc.explanation}") from exc
+            raise RuntimeFailure(f"docker could not start the container: {exc.explanation}",
+                                 code=_caller_code(exc, starting=True)) from exc
         return managed
 
     def _force_remove(self, container_id: str) -> None:
@@ -225,15 +234,16 @@ class DockerRuntime(Runtime):
         try:
             memory, gpus = parse_bytes(env[Env.REQUEST_MEMORY]), int(env.get(Env.REQUEST_GPUS, "1"))
             labels = {label: env[var] for var, label in TASK_LABELS.items() if env.get(var)}
-            return Reserve(container_id=summary["Id"], gpu_memory=memory, gpus=gpus, labels=labels,
-                           name=env.get(Env.TASK_NAME) or str(attrs.get("Name", "")).lstrip("/"),
-                           image=str(attrs["Config"].get("Image", "")),
-                           on_overrun=env.get(Env.REQUEST_ON_OVERRUN) or None,
-                           priority=int(env.get(Env.REQUEST_PRIORITY) or 0),
-                           preemptible=flag_set(env.get(Env.REQUEST_PREEMPTIBLE)),
-                           queue=flag_set(env.get(Env.REQUEST_QUEUE)))
+            reserve = Reserve(container_id=summary["Id"], gpu_memory=memory, gpus=gpus, labels=labels,
+                              name=env.get(Env.TASK_NAME) or str(attrs.get("Name", "")).lstrip("/"),
+                              image=str(attrs["Config"].get("Image", "")),
+                              on_overrun=env.get(Env.REQUEST_ON_OVERRUN) or None,
+                              priority=int(env.get(Env.REQUEST_PRIORITY) or 0),
+                              preemptible=flag_set(env.get(Env.REQUEST_PREEMPTIBLE)),
+                              queue=flag_set(env.get(Env.REQUEST_QUEUE)))
         except (KeyError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
             raise InvalidRequest(f"container {request.container_id[:12]} asks for no valid GPU memory: {exc}") from None
+        return self.hook_limits.apply(reserve, attrs["Config"].get("Labels"))  # issue 22: a plain run is no operator
 
     def _engine_record(self, container_id: str) -> dict[str, Any]:
         """What the engine wrote for ``container_id`` when it was created; InvalidRequest if it cannot be read."""
@@ -462,8 +472,32 @@ class DockerRuntime(Runtime):
             if managed.state in (State.RUNNING, State.CREATING) and state not in ("running", "created"):
                 log.info("container %s ended while the event stream was down", managed.container_id[:12])
                 self._exited(managed, _exit_code(summary) if summary is not None else None)
+            elif managed.state == State.CREATING and state == "running":
+                # its start event was missed: it runs, so its grant is enforced and reported running from now
+                with self._lock:
+                    managed.state = State.RUNNING
+                log.info("container %s started while the event stream was down", managed.container_id[:12])
+                self._on_change(managed)
         log.info("re-listed containers after the event stream came back")
 
+
+
+def _caller_code(exc: docker.errors.APIError, *, starting: bool = False) -> str | None:
+    """The error code for an engine refusal that is the caller's mistake, or None (the node's fault).
+
+    A reference the engine rejects (400), a name already in use (409), and a command it cannot
+    execute are what the caller sent; the manager answers them with a 4xx and the engine's words.
+    """
+    text = str(exc.explanation or "").lower()
+    if starting and ("executable file not found" in text or "no such file or directory" in text
+                     or ("permission denied" in text and "exec" in text)):
+        return "bad_command"
+    status = exc.status_code or 0
+    if status == 409:
+        return "conflict"
+    if status == 400 or "invalid reference format" in text or "repository name must" in text:
+        return "invalid_request"
+    return None
 
 
 def _label_problem(labels: dict[str, str]) -> str | None:

@@ -123,7 +123,7 @@ class HookListener:
             except OSError as exc:
                 log.warning("could not accept a runtime hook connection: %s", exc)
                 return
-            if not _trusted_peer(sock):
+            if not trusted_peer(sock):
                 log.warning("refused a runtime hook connection from neither root nor this agent's user")
                 sock.close()
                 continue
@@ -166,7 +166,7 @@ class HookListener:
             conn.sock.close()
 
 
-def _trusted_peer(sock: socket.socket) -> bool:
+def trusted_peer(sock: socket.socket) -> bool:
     """Whether the connecting process runs as root or as this agent's user (the socket's mode says the same).
 
     The mode 0600 already keeps others out; the kernel's word on the peer is checked as well, so a

@@ -65,7 +65,7 @@ class Managed:
         """What a heartbeat carries of this container: the grant id and its figures."""
         return ContainerStatus(grant=self.grant, container_id=self.container_id, state=self.state,
                                exit_code=self.exit_code, reason=self.reason, usage=usage or {},
-                               finished_at=self.finished_at, peak=self.peak)
+                               finished_at=self.finished_at, peak=self.peak, gpu_memory=self.gpu_memory)
 
 
 ChangeCallback = Callable[[Managed], None]

@@ -27,11 +27,11 @@ import time
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import ROOT, GiB, median, save, table
-from gpumgr.manager import cluster as cluster_module
 from gpumgr.manager import scheduler as new_scheduler
 from gpumgr.manager.cluster import Cluster, PlacementSpec, State
 from gpumgr.wire import defaults
@@ -98,21 +98,34 @@ def load_scheduler(rev: str) -> types.ModuleType:
 
 @contextlib.contextmanager
 def using(module: types.ModuleType) -> Iterator[None]:
-    """Make the cluster map build and consult its free index with ``module``'s scheduler meanwhile."""
+    """Make the cluster map build and consult its free index with ``module``'s scheduler meanwhile.
+
+    Every manager module that imported one of the scheduler's names (the map, its ledger, the
+    dispatcher, ...) gets ``module``'s instead, and its own back afterwards.
+    """
     names = ("FreeIndex", "Placement", "Request", "place")
-    saved = {name: getattr(cluster_module, name) for name in names}
-    for name in names:
-        setattr(cluster_module, name, getattr(module, name))
+    saved = []
+    for mod in [m for n, m in list(sys.modules.items()) if n.startswith("gpumgr.manager.") and m is not new_scheduler]:
+        for name in names:
+            if getattr(mod, name, None) is getattr(new_scheduler, name):
+                saved.append((mod, name))
+                setattr(mod, name, getattr(module, name))
     try:
         yield
     finally:
-        for name, value in saved.items():
-            setattr(cluster_module, name, value)
+        for mod, name in saved:
+            setattr(mod, name, getattr(new_scheduler, name))
+
+
+def _index_of(cluster: Cluster) -> Any:
+    """The map's free index (the ledger's; ``_index`` on the map before the cluster was split by idea)."""
+    ledger = getattr(cluster, "ledger", None)
+    return ledger.index if ledger is not None else cluster._index  # type: ignore[attr-defined]
 
 
 def time_place(cluster: Cluster, requests: list, seconds: float, place: Callable) -> tuple[int, float]:
     """Run the pure ``place()`` over ``requests`` (cycled) on the cluster's index; return (decisions, elapsed)."""
-    n, k, index = 0, len(requests), cluster._index
+    n, k, index = 0, len(requests), _index_of(cluster)
     start = time.perf_counter()
     deadline = start + seconds
     while True:
@@ -226,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n200 two-GPU spread requests on {args.nodes} empty nodes land on: "
               + ", ".join(f"{n} nodes ({label})" for label, n in ties.items()))
     last = variants[-1][0]
-    after = maps[last]._index
+    after = _index_of(maps[last])
     still = sum(s.reserved for _, s in after.by_free) / (args.nodes * args.gpus * args.gpu_size * GiB)
     worst = min(median(rates[f"{last}reserve+finish {p}"]) for p in ("spread", "binpack"))
     met = worst >= args.target

@@ -1,4 +1,4 @@
-"""The ``gpumgr`` command: ``manager``, ``agent`` and ``up`` (both on one machine)."""
+"""The ``gpumgr`` command: ``manager``, ``agent`` and ``up`` (both on one machine), and the set-up commands."""
 
 from __future__ import annotations
 
@@ -18,9 +18,12 @@ from gpumgr.agent.config import AgentSettings
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.wire import defaults
 from gpumgr.wire.config import load_settings, split_hostport
+from gpumgr.wire.errors import GpumgrError
 
 log = logging.getLogger("gpumgr")
 DEFAULT_URL = f"http://{defaults.API_HOST}:{defaults.API_PORT}"
+NOT_WIRED = ("--store: several managers on etcd are experimental, and the manager does not run on the etcd store "
+             "yet; 'gpumgr store status --store URL' reads one. Run the manager without --store")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status: int = args.func(args)
         return status
-    except (ValidationError, ValueError, OSError) as exc:
+    except (ValidationError, ValueError, OSError, GpumgrError) as exc:  # e.g. an etcd store that does not answer
         print(f"gpumgr: {exc}", file=sys.stderr)
         return 2
 
@@ -50,16 +53,33 @@ def _parser() -> argparse.ArgumentParser:
     token = sub.add_parser("join-token", help="print the token agents join this manager with (last line)")
     token.add_argument("--state-dir", dest="state_dir", help="the manager's state directory")
     token.add_argument("--rotate", action="store_true", help="make a new secret: the old token admits no one")
+    _store_flags(token)
     token.set_defaults(func=run_join_token_command)
+    store = sub.add_parser("store", help="experimental: the etcd store several managers share")
+    store_actions = store.add_subparsers(required=True, metavar="ACTION")
+    store_status = store_actions.add_parser("status", help="the leader, its epoch, bindings and queue (JSON)")
+    _store_flags(store_status)
+    store_status.set_defaults(func=run_store_status_command)
     node = sub.add_parser("node", help="manage the nodes the manager knows")
     node_actions = node.add_subparsers(required=True, metavar="ACTION")
     node_rm = node_actions.add_parser("rm", help="forget a node that is down, and its agent's binding")
     node_rm.add_argument("name")
     node_rm.add_argument("--manager-url", help=f"the manager's REST API (default $GPUMGR_MANAGER or {DEFAULT_URL})")
     node_rm.set_defaults(func=run_node_rm_command)
+    guard = sub.add_parser("guard", help="run the guard: the engine's authorization plugin refusing GPUs "
+                           "taken without a grant (foreground)")
+    guard.add_argument("--config", dest="agent_config", metavar="FILE", help="agent YAML settings (guard_*)")
+    guard.add_argument("--socket", dest="guard_socket", help="plugin socket (default "
+                       "/run/docker/plugins/gpumgr-guard.sock; the file name is the plugin's name)")
+    guard.add_argument("--control", dest="guard_control", help="the agent's root-only ticket socket")
+    guard.add_argument("--state", dest="guard_state", help="file remembering the containers gpumgr created")
+    guard.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING, ...")
+    guard.set_defaults(func=run_guard_command)
     from gpumgr.plugin.commands import add_plugin_commands
+    from gpumgr.systemd import add_generate_commands
 
     add_plugin_commands(sub)
+    add_generate_commands(sub)
     return parser
 
 
@@ -72,6 +92,17 @@ def _manager_flags(parser: argparse.ArgumentParser, config_flag: str) -> None:
     parser.add_argument("--state-dir", dest="state_dir", help="keys, join secret and node bindings (default: "
                         "/var/lib/gpumgr as root, else ~/.local/state/gpumgr)")
     parser.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING, ...")
+    _store_flags(parser)
+    parser.add_argument("--advertise-api", dest="advertise_api", metavar="URL",
+                        help="the URL other managers and clients reach this API at (with --store)")
+
+
+def _store_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", metavar="URL", help="experimental: several managers on etcd, "
+                        "etcd://HOST:PORT[,HOST:PORT...][/PREFIX] (etcds:// for TLS)")
+    parser.add_argument("--store-ca", dest="store_ca", metavar="FILE", help="CA bundle that verifies etcd")
+    parser.add_argument("--store-cert", dest="store_cert", metavar="FILE", help="client certificate for etcd")
+    parser.add_argument("--store-key", dest="store_key", metavar="FILE", help="client certificate's key")
 
 
 def _agent_flags(parser: argparse.ArgumentParser, config_flag: str, with_endpoint: bool = True) -> None:
@@ -91,7 +122,8 @@ def manager_settings(args: argparse.Namespace) -> ManagerSettings:
     """Manager settings from the parsed flags, the environment and the YAML file."""
     return load_settings(ManagerSettings, _existing(args.manager_config), api=args.api, agents=args.agents,
                          token=args.token, placement=args.placement, log_level=args.log_level,
-                         state_dir=args.state_dir)
+                         state_dir=args.state_dir, store=args.store, store_ca=args.store_ca,
+                         store_cert=args.store_cert, store_key=args.store_key, advertise_api=args.advertise_api)
 
 
 def agent_settings(args: argparse.Namespace, manager: str | None = None) -> AgentSettings:
@@ -147,6 +179,25 @@ def run_agent_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_guard_command(args: argparse.Namespace) -> int:
+    """``gpumgr guard``: serve the authorization plugin until SIGTERM or SIGINT."""
+    from gpumgr.agent.guard_server import GuardServer, build_guard
+
+    settings = load_settings(AgentSettings, _existing(args.agent_config), guard_socket=args.guard_socket,
+                             guard_control=args.guard_control, guard_state=args.guard_state,
+                             log_level=args.log_level)
+    _logging(settings.log_level)
+    server = GuardServer(build_guard(settings), settings.guard_socket, settings.guard_control).start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"gpumgr guard: plugin {Path(settings.guard_socket).stem} on {settings.guard_socket}, "
+          f"tickets on {settings.guard_control}", flush=True)
+    stop.wait()
+    server.close()
+    return 0
+
+
 def run_up_command(args: argparse.Namespace) -> int:
     """``gpumgr up``: a manager and one local agent in this process."""
     settings = manager_settings(args)
@@ -174,13 +225,33 @@ def run_join_token_command(args: argparse.Namespace) -> int:
     """``gpumgr join-token``: works from the state directory whether or not the manager runs."""
     from gpumgr.manager.admission import Admission
 
-    admission = Admission(args.state_dir or ManagerSettings().state_dir)
+    store = None
+    if args.store:
+        if args.rotate:
+            raise ValueError("--rotate with --store: only the leading manager may change the shared secret, and "
+                             "rotation through it is not available yet")
+        from gpumgr.manager.ha import read_only_store
+
+        store = read_only_store(args.store, ca=args.store_ca, cert=args.store_cert, key=args.store_key)
+    admission = Admission(args.state_dir or ManagerSettings().state_dir, store=store)
     if args.rotate:
         admission.rotate()
         print("new join secret: the previous token admits no new agent (admitted agents stay)")
     token = admission.token()
     print(f"on each new host run:  gpumgr agent --manager tcp://THIS-HOST:9401 --join {token}")
     print(token)
+    return 0
+
+
+def run_store_status_command(args: argparse.Namespace) -> int:
+    """``gpumgr store status``: what the etcd store holds, read without leading or writing anything."""
+    import json
+
+    from gpumgr.manager.ha import describe
+
+    if not args.store:
+        raise ValueError("gpumgr store status needs --store etcd://HOST:PORT[,...][/PREFIX]")
+    print(json.dumps(describe(args.store, ca=args.store_ca, cert=args.store_cert, key=args.store_key), indent=2))
     return 0
 
 
@@ -205,10 +276,10 @@ def start_manager(settings: ManagerSettings) -> tuple[Any, Any]:
     from gpumgr.manager.app import create_app
     from gpumgr.manager.service import Manager
 
+    if settings.store:
+        raise ValueError(NOT_WIRED)
     host, port = split_hostport(settings.api, defaults.API_PORT)
-    if not settings.token and not _is_loopback(host):
-        raise ValueError(f"the API on {host} would let anyone start containers: set a non-empty token (--token, "
-                         "GPUMGR_TOKEN or 'token' in the config file) or listen on loopback")
+    check_exposure(settings.api, settings.token)
     manager = Manager(settings)
     manager.start()
     server = create_server(create_app(manager), **server_options(host, port, settings.threads))
@@ -298,6 +369,7 @@ def build_agent(settings: AgentSettings) -> Any:
     from gpumgr.agent import procmap
     from gpumgr.agent.agent import Agent, build_runtime
     from gpumgr.agent.gpus import open_source
+    from gpumgr.agent.hook_limits import HookLimits
     from gpumgr.agent.identity import load_identity
 
     procmap.set_root(settings.proc_root)
@@ -307,7 +379,8 @@ def build_agent(settings: AgentSettings) -> Any:
     runtime = build_runtime(settings.runtime, lambda m: holder[0].report_change(m), network_mode=settings.network_mode,
                             device_requests=settings.device_requests, gpu_kind=source.kind,
                             log_dir=settings.process_log_dir, mps=settings.mps, node=settings.node,
-                            state_dir=identity.folder)
+                            state_dir=identity.folder, guard_control=settings.guard_control,
+                            hook_limits=HookLimits(settings.hook_tenant, settings.hook_max_priority))
     hook = settings.hook_socket if runtime.kind == "docker" else None
     agent = Agent(settings.node, settings.manager, source, runtime, identity,
                   heartbeat_interval=settings.heartbeat_interval, enforcement=settings.enforcement(),
@@ -341,10 +414,24 @@ def _serve_until_signal(server: Any, manager: Any, reread: Any = None) -> None:
         manager.stop()
 
 
+def check_exposure(api: str, token: str | None) -> None:
+    """ValueError if an API on ``api`` without ``token`` would let anyone act as the operator (start and on reload)."""
+    host, _ = split_hostport(api, defaults.API_PORT)
+    if not token and not _is_loopback(host):
+        raise ValueError(f"the API on {host} would let anyone start containers: set a non-empty token (--token, "
+                         "GPUMGR_TOKEN or 'token' in the config file) or listen on loopback")
+
+
 def _reload(manager: Any, reread: Any) -> None:
-    """Re-read the settings and put their tenants in force; a broken file keeps the settings in force."""
+    """Re-read the settings and put their tenants in force; a file the startup checks refuse keeps the settings.
+
+    The API keeps its address on reload, so a configuration without a token is refused for an API bound
+    beyond loopback exactly as at startup: otherwise one SIGHUP would open it to anyone.
+    """
     try:
-        manager.reload_tenants(reread())
+        settings = reread()
+        check_exposure(manager.settings.api, settings.token)
+        manager.reload_tenants(settings)
     except Exception as exc:  # a YAML syntax error, a bad field, an unreadable token file: say why, keep serving
         log.error("reload refused, the settings in force stay: %s", str(exc).replace("\n", " "))
 

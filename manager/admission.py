@@ -1,14 +1,18 @@
 """Which agents the manager admits, and which node each one may speak for.
 
-Everything here persists in the manager's state directory, so a restart keeps every admission and
-binding: ``manager_key.json`` (the manager's CURVE key pair), ``join_secret.json`` (the secret the
-join token carries; ``gpumgr join-token --rotate`` replaces it, and this module re-reads it at each
-join, so rotation works while the manager runs) and ``nodes.json`` (node name → the agent's public
-key). One lock guards the bindings; each change is written atomically before it takes effect.
+Everything here persists, so a restart keeps every admission and binding. The manager's CURVE key
+pair is ``manager_key.json`` in its state directory (one identity, given as files to every manager of
+a replicated control plane). The join secret (what the join token carries; ``gpumgr join-token
+--rotate`` replaces it, and this module re-reads it at each join, so rotation works while the manager
+runs) and the bindings (node name → the agent's public key) live in the manager's
+:class:`~gpumgr.manager.store.Store`: by default the same state directory (``join_secret.json``,
+``nodes.json``), or etcd shared by several managers. One lock guards the bindings; each change is
+written durably before it takes effect.
 
-A rack of agents joining at once must not wait on one fsync each on the link thread (1,000 joins
-took 5-9 s so): :meth:`Admission.admit_later` checks a join at once and leaves new bindings to a
-writer thread, which writes every binding that arrived meanwhile with one fsync, then answers them.
+A rack of agents joining at once must not wait on one durable write each on the link thread (1,000
+joins took 5-9 s so): :meth:`Admission.admit_later` checks a join at once and leaves new bindings to
+a writer thread, which stores every binding that arrived meanwhile at once (one fsync with the
+file store), then answers them.
 """
 
 from __future__ import annotations
@@ -18,17 +22,16 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from gpumgr.manager.store import FileStore, Store
 from gpumgr.wire import security
 from gpumgr.wire.errors import GpumgrError
 
 log = logging.getLogger(__name__)
 
-#: Called once a join is settled: with None when the binding is on disk, or with why it was refused.
+#: Called once a join is settled: with None when the binding is stored, or with why it was refused.
 Settled = Callable[[GpumgrError | None], None]
 
 KEY_FILE = "manager_key.json"
-SECRET_FILE = "join_secret.json"
-NODES_FILE = "nodes.json"
 
 
 class JoinRefused(GpumgrError):
@@ -39,32 +42,37 @@ class JoinRefused(GpumgrError):
 
 
 class Admission:
-    """The manager's keys, its join secret and the node ⇄ key bindings in ``folder``."""
+    """The manager's keys in ``folder``; its join secret and node ⇄ key bindings in ``store`` (default ``folder``)."""
 
-    def __init__(self, folder: str | Path | None) -> None:
+    def __init__(self, folder: str | Path | None, store: Store | None = None) -> None:
         self.folder = security.state_dir(folder)
         self.keys = security.load_keys(self.folder / KEY_FILE)
+        self.store = store or FileStore(self.folder)
         self._lock = threading.Lock()
-        self._nodes = self._load_nodes()
-        self._keys = {v: k for k, v in self._nodes.items()}
-        #: bindings checked but not yet on disk: node -> (key, who waits for it), and key -> node
+        self._nodes: dict[str, str] = {}
+        self._keys: dict[str, str] = {}
+        #: bindings checked but not yet stored: node -> (key, who waits for it), and key -> node
         self._pending: dict[str, tuple[str, list[Settled]]] = {}
         self._pending_keys: dict[str, str] = {}
         self._writer: threading.Thread | None = None
-        #: held across every write of nodes.json (taken before ``_lock``): writes never interleave
+        #: held across every write of the bindings (taken before ``_lock``): writes never interleave
         self._disk = threading.Lock()
+        self.reload()
+
+    def reload(self) -> None:
+        """Read the bindings from the store again (a manager that has just become leader sees its predecessor's)."""
+        nodes = self.store.nodes()
+        with self._lock:
+            self._nodes, self._keys = nodes, {v: k for k, v in nodes.items()}
 
     # --- the join token ----------------------------------------------------------------------
     def join_secret(self) -> str:
         """The current join secret, created on first use."""
-        path = self.folder / SECRET_FILE
-        if not path.exists():
-            security.create_private(path, {"secret": security.new_join_secret()})
-        return str(security.read_private(path)["secret"])
+        return self.store.join_secret()
 
     def rotate(self) -> None:
         """Replace the join secret: the old token admits no one from now on; admitted agents stay."""
-        security.write_private(self.folder / SECRET_FILE, {"secret": security.new_join_secret()})
+        self.store.rotate_secret()
 
     def token(self) -> str:
         """The join token agents pass to ``gpumgr agent --join``."""
@@ -86,14 +94,15 @@ class Admission:
         self._check_proof(key, node, proof)
         with self._disk, self._lock:
             if self._check_binding(key, node):
-                self._save({**self._nodes, node: key})
+                self.store.bind(node, key)
+                self._nodes[node], self._keys[key] = key, node
                 log.info("admitted node %s (key %s…)", node, key[:8])
 
     def admit_later(self, key: str, node: str, proof: str, settled: Settled) -> None:
         """As :meth:`admit`, for a caller that must not wait on the disk; ``settled`` gets the outcome.
 
         A refusal, or a key already bound to ``node``, is settled at once, on the calling thread. A
-        new binding is settled by the writer thread once it is on disk, written with every other
+        new binding is settled by the writer thread once it is stored, written with every other
         binding that arrived meanwhile; until then it admits nobody, yet a join naming the same node
         with another key, or the same key with another node, is refused already.
         """
@@ -133,7 +142,7 @@ class Admission:
             self._writer.start()
 
     def _write_pending(self) -> None:
-        """Write the pending bindings in batches, one fsync each, settling their joins; ends when none wait."""
+        """Store the pending bindings in batches, settling their joins; ends when none wait."""
         while True:
             with self._disk:
                 with self._lock:
@@ -141,13 +150,15 @@ class Admission:
                     if not batch:
                         self._writer = None
                         return
-                    nodes = {**self._nodes, **{node: key for node, (key, _) in batch.items()}}
                 error: GpumgrError | None = None
                 try:  # the link thread goes on meanwhile: it needs only _lock
-                    security.write_private(self.folder / NODES_FILE, {"nodes": nodes})
+                    self.store.bind_many({node: key for node, (key, _) in batch.items()})
+                except GpumgrError as exc:  # the store is fenced off (another manager leads)
+                    error = exc
                 except OSError as exc:
                     error = GpumgrError(f"the manager could not save this node's binding ({exc}); join again later")
-                    log.error("could not save %d node bindings: %s", len(batch), exc)
+                if error is not None:
+                    log.error("could not save %d node bindings: %s", len(batch), error.message)
                 with self._lock:
                     self._settle(batch, error)
             if error is None:
@@ -160,35 +171,23 @@ class Admission:
                         log.exception("answering a join failed")
 
     def _settle(self, batch: dict[str, tuple[str, list[Settled]]], error: GpumgrError | None) -> None:
-        """Take ``batch`` out of the pending bindings and, written, into the bindings. Locked."""
+        """Take ``batch`` out of the pending bindings and, stored, into the bindings. Locked."""
         for node, (key, _) in batch.items():
             del self._pending[node]
             self._pending_keys.pop(key, None)
-        if error is None:
-            self._nodes = {**self._nodes, **{node: key for node, (key, _) in batch.items()}}
-            self._keys = {v: k for k, v in self._nodes.items()}
+            if error is None:
+                self._nodes[node], self._keys[key] = key, node
 
     def forget(self, node: str) -> bool:
         """Drop ``node``'s binding (its agent must join again); False if it had none."""
         with self._disk, self._lock:
             if node not in self._nodes:
                 return False
-            self._save({k: v for k, v in self._nodes.items() if k != node})
+            self.store.forget(node)
+            self._keys.pop(self._nodes.pop(node), None)
             return True
 
     def nodes(self) -> dict[str, str]:
         """Every binding, node → key."""
         with self._lock:
             return dict(self._nodes)
-
-    def _load_nodes(self) -> dict[str, str]:
-        path = self.folder / NODES_FILE
-        if not path.exists():
-            return {}
-        data = security.read_private(path)
-        return {str(k): str(v) for k, v in data.get("nodes", {}).items()}
-
-    def _save(self, nodes: dict[str, str]) -> None:
-        security.write_private(self.folder / NODES_FILE, {"nodes": nodes})
-        self._nodes = nodes
-        self._keys = {v: k for k, v in nodes.items()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, field_validator
 
 from gpumgr.manager.tenants import TenantConfig
 from gpumgr.wire import defaults
@@ -30,3 +30,19 @@ class ManagerSettings(Settings):
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     queue_aging: float = Field(defaults.QUEUE_AGING, gt=0)
     log_level: str = "INFO"
+    #: several managers on etcd (experimental): ``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]``, ``etcds://`` for TLS
+    store: str | None = None
+    store_ca: str | None = None
+    store_cert: str | None = None
+    store_key: str | None = None
+    #: the URL other managers and clients reach this manager's API at (published in the store)
+    advertise_api: str | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _store_url(cls, value: str | None) -> str | None:
+        if value:
+            from gpumgr.manager.ha import parse_store_url
+
+            parse_store_url(value)
+        return value or None

@@ -1,31 +1,87 @@
-"""A bounded, thread-safe log of what happened in the cluster, served by ``GET /v1/events``."""
+"""A bounded, thread-safe log of what happened in the cluster, served by ``GET /v1/events``.
+
+Event ids keep rising across manager restarts, so a client following ``since=`` misses nothing:
+ids are handed out in blocks whose upper end is written (fsynced) to ``event_ids.json`` in the
+state directory before any id of the block is used; a restarted manager starts above the last end.
+An agent's ``detail`` is copied in bounded: its keys never replace the event's own, and nesting is
+cut at a fixed depth, so no report can break the log or the JSON that serves it.
+"""
 
 from __future__ import annotations
 
-import itertools
+import json
+import logging
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
-from gpumgr.wire import defaults
+from gpumgr.wire import defaults, security
 from gpumgr.wire.names import EventType
+
+log = logging.getLogger(__name__)
+
+#: the keys every event has; a detail key of the same name is dropped
+OWN_KEYS = frozenset({"id", "time", "type", "node", "container", "message"})
+IDS_FILE = "event_ids.json"
+ID_BLOCK = 10_000
+DETAIL_DEPTH = 4
+DETAIL_ITEMS = 64
+
+
+def clean_detail(value: Any, depth: int = DETAIL_DEPTH) -> Any:
+    """``value`` as plain JSON data, nested at most ``depth`` deep and at most ``DETAIL_ITEMS`` wide."""
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    if depth <= 0:
+        return "…"
+    if isinstance(value, dict):
+        return {str(k): clean_detail(v, depth - 1) for k, v in list(value.items())[:DETAIL_ITEMS]}
+    if isinstance(value, list | tuple):
+        return [clean_detail(v, depth - 1) for v in list(value)[:DETAIL_ITEMS]]
+    return str(value)
+
+
+class _IdBlocks:
+    """Event ids that never repeat across restarts of a manager with a state directory."""
+
+    def __init__(self, folder: str | Path | None) -> None:
+        self.path = Path(folder, IDS_FILE) if folder is not None else None
+        self.next = 1
+        self.ceiling = 0
+        if self.path is not None and self.path.exists():
+            try:
+                self.next = int(json.loads(self.path.read_text())["ceiling"]) + 1
+            except (ValueError, KeyError, TypeError, OSError) as exc:
+                log.warning("%s is unreadable (%s); event ids start at 1", self.path, exc)
+        self.ceiling = self.next - 1
+
+    def take(self) -> int:
+        """The next id (call under the log's lock); a new block is made durable before it is used."""
+        if self.next > self.ceiling:
+            self.ceiling = self.next + ID_BLOCK - 1
+            if self.path is not None:
+                security.write_private_text(self.path, json.dumps({"ceiling": self.ceiling}))
+        taken, self.next = self.next, self.next + 1
+        return taken
 
 
 class EventLog:
     """Keeps the last ``size`` events, oldest first, each with a growing integer ``id``."""
 
-    def __init__(self, size: int = defaults.EVENTS_KEPT) -> None:
+    def __init__(self, size: int = defaults.EVENTS_KEPT, state_dir: str | Path | None = None) -> None:
         self._events: deque[dict[str, Any]] = deque(maxlen=size)
-        self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._ids = _IdBlocks(state_dir)
 
-    def record(self, kind: EventType, message: str, *, node: str | None = None,
+    def record(self, kind: EventType, message: str, /, *, node: str | None = None,
                container: str | None = None, **detail: Any) -> dict[str, Any]:
-        """Append one event and return it."""
+        """Append one event and return it; ``detail`` never overrides the event's own keys."""
+        extra = {k: clean_detail(v) for k, v in detail.items() if k not in OWN_KEYS}
         with self._lock:
-            event = {"id": next(self._ids), "time": time.time(), "type": str(kind), "node": node,
-                     "container": container, "message": message, **detail}
+            event = {**extra, "id": self._ids.take(), "time": time.time(), "type": str(kind), "node": node,
+                     "container": container, "message": message}
             self._events.append(event)
         return event
 

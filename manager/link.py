@@ -4,7 +4,9 @@ Incoming requests and reports go to the manager's handler, called on the owner t
 be quick (it only updates the in-memory map). Each carries the sender's proven key; the handler
 decides what that key may say. Everything else (the outbox, the wake-up pipe, replies tied to
 requests, malformed frames dropped) is :class:`gpumgr.wire.link.Link`'s. The link has a ZeroMQ
-context of its own, because a context has one ZAP handler and it must be this manager's.
+context of its own, because a context has one ZAP handler and it must be this manager's. With several
+managers, ``epoch`` gives the leader's epoch, and every frame sent carries it so agents can refuse a
+deposed leader.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from gpumgr.wire import defaults, security
+from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.link import Handler, Link, LinkHooks
 
 
@@ -22,11 +25,12 @@ class ManagerLink(Link):
     """Bind ``endpoint`` as a CURVE server with ``keys`` and route frames to and from agents."""
 
     def __init__(self, endpoint: str, handler: Handler, keys: security.KeyPair, *,
-                 tick: float = defaults.LINK_TICK, on_tick: Callable[[], None] | None = None) -> None:
+                 tick: float = defaults.LINK_TICK, on_tick: Callable[[], None] | None = None,
+                 epoch: Callable[[], Epoch | None] | None = None) -> None:
         hooks = LinkHooks(on_tick=_every_tick(on_tick)) if on_tick is not None else None
         self._auth: ThreadAuthenticator | None = None
         super().__init__(zmq.ROUTER, endpoint, handler, bind=True, configure=lambda s: _router_options(s, keys),
-                         context=zmq.Context(), tick=tick, hooks=hooks, name="agent-link")
+                         context=zmq.Context(), tick=tick, hooks=hooks, name="agent-link", epoch=epoch)
 
     def start(self) -> None:
         """Start the ZAP handler, then bind."""

@@ -91,12 +91,12 @@ class NodesCache:
             return self._build()
 
     def _fresh(self, copy: Copy, share: float) -> bool:
-        return copy.version == self.cluster.map_version and \
+        return copy.version == self.cluster.ledger.version and \
             time.monotonic() - copy.built < self.cluster.map_max_age * share
 
     def _build(self) -> Copy:
         self._wanted = False
-        version = self.cluster.map_version  # read first: a change during the build makes the copy stale at once
+        version = self.cluster.ledger.version  # read first: a change during the build makes the copy stale at once
         view = self.cluster.nodes_view()
         self._count += 1
         body = json.dumps({"nodes": view}, separators=(",", ":")).encode()

@@ -88,6 +88,12 @@ class ContainerRecord(_Shape):
     queued_at: float | None = Field(description="when it joined the queue (Unix time); null if it never waited")
     queue: QueuePlace | None = Field(description="while queued: its place in line; null otherwise")
     preempted_for: str | None = Field(description="the queued request it was (or is being) preempted for")
+    desired_state: Literal["running", "removed", "preempted"] = Field(
+        description="what the API or the manager's policy wants of it; the observed `state` follows")
+    operation: Literal["create", "remove", "resize"] | None = Field(
+        description="the operation in flight on it (at most one), or null")
+    gpu_memory_held: int = Field(description="bytes per GPU the map reserves for it now: `gpu_memory`, or more while "
+                                 "its node still enforces more (a resize not yet confirmed); 0 once it ended")
     detail: dict[str, Any] = Field(default_factory=dict, description="present when there is something to say, "
                                    "e.g. the overrun that killed it")
 

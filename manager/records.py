@@ -1,15 +1,18 @@
 """The records of the manager's map: GPUs, nodes, containers and the requests that place them.
 
-Plain data; :class:`~gpumgr.manager.cluster.Cluster` owns them and guards them with its one lock.
+Plain data; the ledger's one lock (:class:`~gpumgr.manager.ledger.Ledger`) guards them all.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from gpumgr.manager.scheduler import GpuSlot
+from gpumgr.wire.errors import GpumgrError
 from gpumgr.wire.names import State
 
 
@@ -24,7 +27,7 @@ class Gpu(GpuSlot):
 
 @dataclass
 class Node:
-    """A host with an agent."""
+    """A host with an agent: where the link reaches it, and which agent process spoke last."""
 
     name: str
     routing_id: bytes
@@ -33,23 +36,60 @@ class Node:
     ready: bool = True
     last_seen: float = field(default_factory=time.time)
     last_seen_mono: float = field(default_factory=time.monotonic)
+    #: the agent's proven (CURVE) key: replies are matched by it, never by the connection
+    key: str = ""
+    #: the agent process's id from its registration: another one means the agent restarted
+    instance: str = ""
+
+
+class OpKind(StrEnum):
+    """What the manager has asked a record's node to do."""
+
+    CREATE = "create"
+    REMOVE = "remove"
+    RESIZE = "resize"
+
+
+@dataclass(eq=False)
+class Op:
+    """One operation in flight on a record: at most one at a time; a reply for another is ignored."""
+
+    kind: OpKind
+    id: int
+    #: when (monotonic, on the manager's clock) the manager stops waiting for the node's answer
+    deadline: float
+    #: resize: the figures from and to
+    old: int = 0
+    new: int = 0
+    #: set when the operation ends, with ``error`` if it failed: REST callers wait on it
+    done: threading.Event = field(default_factory=threading.Event)
+    error: GpumgrError | None = None
 
 
 @dataclass(slots=True)
 class Container:
-    """The manager's record of one container and its grant."""
+    """The manager's record of one container and its grant.
+
+    ``state`` is the observed state (what the node reported, or the manager's own deadlines decided);
+    ``desired`` is what the API or the manager's policy wants (run, removed, preempted). Both move only
+    through :class:`gpumgr.manager.lifecycle.Lifecycle`.
+    """
 
     id: str
     name: str
     node: str
     gpus: list[str]
     gpu_memory: int
-    image: str | None = None
-    command: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    labels: dict[str, str] = field(default_factory=dict)
-    on_overrun: str = "kill"
+    spec: PlacementSpec
     state: State = State.CREATING
+    desired: State = State.RUNNING
+    #: why the desired state changed (the end's reason once it is carried out)
+    desired_reason: str | None = None
+    op: Op | None = None
+    #: bytes per GPU reserved on the map now: ``gpu_memory``, or more while its node enforces more
+    held: int = 0
+    #: bytes per GPU its node last said it enforces (0: not reported yet)
+    enforced: int = 0
     container_id: str | None = None
     exit_code: int | None = None
     reason: str | None = None
@@ -57,12 +97,9 @@ class Container:
     finished_at: float | None = None
     usage: dict[str, int] = field(default_factory=dict)
     detail: dict[str, Any] = field(default_factory=dict)
-    #: granted through a node's runtime hook: no REST caller waits to mark it running
-    hook: bool = False
-    #: while ``creating``: when (monotonic) the grant is released unless the container was confirmed
+    #: while ``creating`` with no operation in flight (a hook grant, an adopted one): when (monotonic)
+    #: the grant is released unless its node confirms the container
     deadline: float | None = None
-    #: ``DELETE`` came while its node was down: it is removed when the node returns
-    remove_requested: bool = False
     #: the tenant it belongs to (None: the operator's)
     tenant: str | None = None
     priority: int = 0
@@ -70,26 +107,61 @@ class Container:
     preemptible: bool = False
     #: the highest usage (summed over its GPUs) ever sampled; kept after it ends
     gpu_memory_peak: int = 0
-    #: while ``queued``: what it waits to be placed as (it holds no GPUs yet)
-    spec: PlacementSpec | None = None
-    #: when it joined the queue (Unix time), if it ever waited; its place in the queue's first-come order
+    #: when it joined the queue (Unix time, shown), if it ever waited
     queued_at: float | None = None
+    #: when it joined the queue on the manager's monotonic clock: its place in first-come order and aging
+    queued_mono: float | None = None
     queue_seq: int = 0
-    #: while ``queued``: when it gives up (Unix time), from its ``queue_timeout``
-    expires_at: float | None = None
-    #: being preempted: the queued request it makes room for
-    preempted_for: str | None = None
-    #: while ``queued``: the preemptible containers being stopped to make room for it
-    making_room: list[str] = field(default_factory=list)
-    #: a resize is being carried out on its node (one at a time)
-    resizing: bool = False
+    #: while ``queued``: when it gives up (monotonic), from its ``queue_timeout``
+    expires_mono: float | None = None
     #: when ``usage`` was last refreshed (monotonic), to integrate it over time for its tenant
     usage_at: float = 0.0
 
     @property
     def count(self) -> int:
         """How many GPUs it holds, or asks for while queued."""
-        return self.spec.count if self.spec is not None and not self.gpus else len(self.gpus)
+        return len(self.gpus) if self.gpus else self.spec.count
+
+    @property
+    def hook(self) -> bool:
+        """Granted through a node's runtime hook: no REST caller waits for it."""
+        return self.spec.hook
+
+    @property
+    def image(self) -> str | None:
+        return self.spec.image
+
+    @property
+    def command(self) -> list[str]:
+        return self.spec.command
+
+    @property
+    def env(self) -> dict[str, str]:
+        return self.spec.env
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return self.spec.labels
+
+    @property
+    def on_overrun(self) -> str:
+        return self.spec.on_overrun
+
+    @property
+    def preempted_for(self) -> str | None:
+        """The queued request it is being stopped for, while it is (or once it was) preempted."""
+        value = self.detail.get("preempted_for")
+        return None if value is None else str(value)
+
+
+@dataclass(frozen=True)
+class Command:
+    """What the manager must tell a node after a change: built under the map's lock, sent after it."""
+
+    kind: OpKind
+    record: Container
+    #: the operation it carries out; None for a message that needs no answer (removing an ended container)
+    op: Op | None
 
 
 @dataclass

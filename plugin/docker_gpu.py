@@ -61,6 +61,9 @@ def run(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
+    if argv[0] == "guard":  # issue 22: what the node's guard refuses, answered without the manager
+        print(GUARD_HELP)
+        return 0
     client = Manager(manager_url)
     command, rest = argv[0], argv[1:]
     if command in ("stats", "nodes"):
@@ -90,7 +93,23 @@ Commands:
   stats [-a] [--no-stream] [--format table|json] [CONTAINER...]
                           GPU memory of live containers (-a: all), refreshed every second until Ctrl-C
                           like 'docker stats'; --format json prints one JSON array per line each second
-  nodes                   the machine x GPU map, a memory bar per GPU"""
+  nodes                   the machine x GPU map, a memory bar per GPU
+  guard                   what a node's guard refuses, and how to get a GPU or an exception"""
+
+GUARD_HELP = """On a node with the gpumgr guard, the engine gives GPUs only to containers holding a gpumgr grant.
+
+Refused without a grant (403, "authorization denied by plugin gpumgr-guard: gpumgr guard: <field> ..."):
+  --gpus, --device-request, CDI devices (nvidia.com/gpu=...), --runtime nvidia (any runtime but runc/gpumgr),
+  -e NVIDIA_VISIBLE_DEVICES / NVIDIA_DRIVER_CAPABILITIES / DOCKER_RESOURCE_*, --device /dev/nvidia*, /dev/dri,
+  /dev/char/195:*, --device-cgroup-rule for major 195 or every device, --privileged, binds of /, /dev or
+  the engine's and gpumgr's settings, gpumgr.* and com.docker.swarm.* labels, GPUMGR_REQUEST_PRIORITY above
+  the node's limit, engine plugin changes, and docker start/restart of a container whose gpumgr grant ended.
+Get a GPU instead:
+  docker gpu run --gpu-memory 4GiB IMAGE CMD          (or POST /v1/containers, or a Swarm service through
+  docker gpu service create --gpu-memory ...)         'docker gpu service create')
+  docker run -e GPUMGR_REQUEST_MEMORY=4GiB IMAGE CMD  (a grant through the runtime hook, at priority 0)
+Exceptions: the operator lists image IDs under guard_allow in the agent's YAML; run them by that ID
+  (docker run --gpus all sha256:...). Each use is logged."""
 
 
 class Manager:

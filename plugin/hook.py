@@ -42,6 +42,10 @@ MAX_REPLY_BYTES = 1024 * 1024
 #: runc's global options that take a value; everything else before the command is a flag.
 VALUE_OPTIONS = frozenset({"--root", "--log", "--log-format", "--criu", "--rootless"})
 RUNTIME_CANDIDATES = ("nvidia-container-runtime", "runc")
+#: What the launcher greps a bundle for besides the request: GPU nodes, their device rules, an allow-all
+#: rule, the NVIDIA prestart hook. Such a container is checked here to hold a grant (:func:`gpu_in_spec`).
+GPU_SPEC_PATTERN = r'/dev/nvidia|"major":195[,}]|nvidia-container-runtime-hook|"allow":true,"access"'
+GPU_MAJOR = 195
 SEARCH_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
 
@@ -96,16 +100,47 @@ def prepare(args: list[str], config: dict[str, Any]) -> bool:
         env = _env_map(spec["process"].get("env", []))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False  # not a bundle we can read: the real runtime reports that in its own words
-    if REQUEST_MEMORY not in env:
+    if REQUEST_MEMORY in env:
+        wait = defaults.HOOK_QUEUE_WAIT if flag_set(env.get(Env.REQUEST_QUEUE)) else WAIT_SECONDS
+        grant = ask_agent(_reserve_message(container_id, env), _socket_path(config), wait)
+    elif (gpu := gpu_in_spec(spec)) is not None:
+        grant = _held_grant(container_id, gpu, config)
+    else:
         return False
-    wait = defaults.HOOK_QUEUE_WAIT if flag_set(env.get(Env.REQUEST_QUEUE)) else WAIT_SECONDS
-    grant = ask_agent(_reserve_message(container_id, env), _socket_path(config), wait)
     env.update(grant["env"])
     spec["process"]["env"] = [f"{k}={v}" for k, v in env.items()]
     spec.setdefault("annotations", {})[Label.GRANT] = grant["grant"]
     _write_atomically(spec_path, json.dumps(spec))
     return True
 
+
+
+def gpu_in_spec(spec: dict[str, Any]) -> str | None:
+    """What in an OCI spec gives the container a GPU (NVIDIA nodes, their device rules, the NVIDIA hook), or None."""
+    linux = spec.get("linux") or {}
+    for device in linux.get("devices") or []:
+        if str(device.get("path", "")).startswith("/dev/nvidia") or device.get("major") == GPU_MAJOR:
+            return f"it carries the GPU device {device.get('path')}"
+    for rule in (linux.get("resources") or {}).get("devices") or []:
+        if rule.get("allow") and (rule.get("major") == GPU_MAJOR or (rule.get("major") is None
+                                                                     and rule.get("type") in (None, "a"))):
+            return f"its device rules open GPU devices ({rule})"
+    for stage in ("prestart", "createRuntime"):
+        for hook in (spec.get("hooks") or {}).get(stage) or []:
+            if "nvidia" in str(hook.get("path", "")):
+                return f"it runs the NVIDIA hook {hook.get('path')}"
+    return None
+
+
+def _held_grant(container_id: str, gpu: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The grant a container carrying GPUs holds (one gpumgr created); Refused, saying so, if it holds none."""
+    message = {"container_id": container_id, "gpu_memory": 1, "gpus": 1, "name": "", "image": "", "labels": {},
+               "on_overrun": None, "node": ""}
+    try:
+        return ask_agent(message, _socket_path(config))
+    except Refused as exc:
+        raise Refused(f"gpumgr: refused: {gpu} but holds no gpumgr grant ({exc}); ask gpumgr for a GPU: "
+                      "'docker gpu run --gpu-memory SIZE ...'") from None
 
 
 def ask_agent(request: dict[str, Any], socket_path: str, wait: float = WAIT_SECONDS) -> dict[str, Any]:

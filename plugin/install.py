@@ -35,11 +35,18 @@ write fails, those already made are undone. The first install that changes ``dae
 its original as ``daemon.json.before-gpumgr``, and the settings file records what the install did
 (whether it created ``daemon.json``, the default runtime it replaced, a digest of what it wrote).
 
-``uninstall`` undoes it: if ``daemon.json`` is still exactly what install wrote, it is restored
-byte for byte from the backup (or removed, if install created it); if it was edited since, only
-gpumgr's runtime is taken out and the replaced default runtime put back, and the edits are kept.
-Then the launchers (only those install wrote) and the settings file are removed. Running it again
-does nothing.
+``install`` prints each daemon.json setting it changes before it writes: it makes gpumgr-runtime the
+default runtime of every container the engine creates. ``uninstall`` undoes it: if ``daemon.json`` is
+still exactly what install wrote, it is put back from the backup (or, if install created it, left
+naming only runc); if it was edited since, only gpumgr's runtime is taken out and the replaced
+default runtime put back, and the edits are kept. Either way it names ``default-runtime`` and
+``runtimes`` outright (:mod:`gpumgr.plugin.daemon_config` says why). Then the launchers (only those
+install wrote) and the settings file are removed. Running it again does nothing. ``--reload``
+signals dockerd and checks with it that it took the file (:mod:`gpumgr.plugin.engine`); ``--dry-run``
+prints what would change.
+
+A launcher whose Python has gone (its virtual environment moved or deleted) exits with status 127 and
+says which, as does one whose Python no longer has gpumgr; ``gpumgr plugin status`` finds both.
 """
 
 from __future__ import annotations
@@ -50,18 +57,29 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import sys
 from pathlib import Path
 from typing import Any
 
+from gpumgr.plugin.daemon_config import (
+    RUNTIME_NAME,
+    Refused,
+    announce,
+    backup_default,
+    default_of,
+    dump,
+    explicit,
+    parse_daemon_json,
+    strip,
+)
 from gpumgr.plugin.docker_gpu import METADATA
+from gpumgr.plugin.engine import reload_and_check
+from gpumgr.plugin.engine import status as engine_status
 from gpumgr.plugin.files import Change, apply, mode_of, read_bytes, sha256_of
 from gpumgr.plugin.hook import CONFIG as RUNTIME_CONFIG
-from gpumgr.plugin.hook import DEFAULT_SOCKET, REQUEST_MEMORY, RUNTIME_CANDIDATES, SEARCH_PATH
+from gpumgr.plugin.hook import DEFAULT_SOCKET, GPU_SPEC_PATTERN, REQUEST_MEMORY, RUNTIME_CANDIDATES, SEARCH_PATH
 from gpumgr.wire.names import Env
 
-RUNTIME_NAME = "gpumgr"
 PACKAGE = "gpumgr"
 PLAIN_RUNTIME = "runc"
 #: The first line after ``#!``: uninstall removes only launchers that carry it.
@@ -69,12 +87,22 @@ MARK = "# installed by 'gpumgr plugin install'"
 BACKUP_SUFFIX = ".before-gpumgr"
 #: The settings file's record of what install did, for uninstall.
 STATE_KEY = "installed"
+#: What a launcher says (exit status 127, as a shell does for a missing command) when its Python is gone.
+MISSING_PYTHON = ("{program}: the Python that 'gpumgr plugin install' used, {python}, is not there any more (its "
+                  "virtual environment moved or was deleted); run 'gpumgr plugin install' again with gpumgr's Python")
+#: ... and when that Python no longer finds gpumgr (``_e``: the ImportError, in the launcher's own code).
+MOVED = ("gpumgr launcher: {_e}: gpumgr is not installed for this Python any more; "
+         "run 'gpumgr plugin install' again with gpumgr's Python\n")
 #: The CLI plugin: Docker asks every plugin for its metadata on many commands; answer that without Python.
 CLI_LAUNCHER = """#!/bin/sh
 {mark}
 if [ "$1" = docker-cli-plugin-metadata ]; then
   echo '{metadata}'
   exit 0
+fi
+if [ ! -x {python} ]; then
+  echo {missing_q} >&2
+  exit 127
 fi
 exec {python} -I -S -c {code} "$@"
 """
@@ -87,10 +115,13 @@ HOOK_LAUNCHER = """#!/bin/sh
 plain={plain_q}
 skip=0
 command=
+log=
 for arg in "$@"; do
-  if [ "$skip" = 1 ]; then skip=0; continue; fi
+  if [ "$skip" = 1 ]; then skip=0; [ "$log" = next ] && log=$arg; continue; fi
   case "$arg" in
-    --root|--log|--log-format|--criu|--rootless) skip=1 ;;
+    --log) skip=1; log=next ;;
+    --log=*) log=${{arg#--log=}} ;;
+    --root|--log-format|--criu|--rootless) skip=1 ;;
     -*) ;;
     *) command=$arg; break ;;
   esac
@@ -103,7 +134,13 @@ if [ "$command" = create ]; then
     case "$arg" in --bundle=*) bundle=${{arg#--bundle=}} ;; esac
     previous=$arg
   done
-  if grep -q '"{marker}=' "$bundle/config.json" 2>/dev/null; then
+  if grep -qE '"{marker}=|{gpu_pattern}' "$bundle/config.json" 2>/dev/null; then
+    if [ ! -x {python} ]; then
+      # the Python install used has moved or gone: fail this create as runc fails one, and say why
+      echo {missing_q} >&2
+      [ -n "$log" ] && [ "$log" != next ] && echo {missing_json_q} >> "$log"
+      exit 127
+    fi
     {config_env}={config_q}
     export {config_env}
     exec {python} -I -S -c {code} "$@"
@@ -113,19 +150,30 @@ exec "${{{runc_env}:-$plain}}" "$@"
 """
 
 
-class Refused(Exception):
-    """Install or uninstall cannot go ahead as asked; nothing has been written. The message says why."""
-
-
-def add_path_arguments(parser: argparse.ArgumentParser) -> None:
-    """The paths ``install`` writes and ``uninstall`` restores or removes."""
+def add_path_arguments(parser: argparse.ArgumentParser, reload: bool = True) -> None:
+    """The paths ``install`` writes, ``uninstall`` restores or removes and ``status`` reads; the engine's options."""
     parser.add_argument("--daemon-config", default="/etc/docker/daemon.json", help="the Docker engine's daemon.json")
     parser.add_argument("--bin-dir", default="/usr/local/bin", help="where gpumgr-runtime goes")
     parser.add_argument("--cli-plugins-dir", default=str(Path("~/.docker/cli-plugins").expanduser()),
                         help="where the docker-gpu CLI plugin goes")
     parser.add_argument("--runtime-config", default=RUNTIME_CONFIG, help="the hook's own settings file")
-    parser.add_argument("--reload", action="store_true", help="send SIGHUP to dockerd so it loads daemon.json now")
+    add_engine_argument(parser)
+    if not reload:
+        return
+    parser.add_argument("--reload", action="store_true", help="send SIGHUP to dockerd so it loads daemon.json now, "
+                        "and check with the engine (docker info) that it took")
     parser.add_argument("--dockerd-pidfile", default="/var/run/docker.pid")
+
+
+def add_engine_argument(parser: argparse.ArgumentParser) -> None:
+    """Which engine ``--reload`` and ``status`` ask what it runs containers under."""
+    parser.add_argument("--docker-host", help="the engine's API, e.g. unix:///var/run/docker.sock "
+                                              "(default: $DOCKER_HOST or the local socket)")
+
+
+def add_dry_run_argument(parser: argparse.ArgumentParser) -> None:
+    """``--dry-run``: say what would change, change nothing."""
+    parser.add_argument("--dry-run", action="store_true", help="print what would change and write nothing")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -183,7 +231,10 @@ def launcher_code(module: str, imports: tuple[str, ...], eager: tuple[str, ...] 
             f"except ImportError:\n"
             f"    for _n in [n for n in sys.modules if n.partition('.')[0] == {PACKAGE!r}]:\n"
             f"        del sys.modules[_n]\n"
-            f"    import site\n    site.main()\n    import {module}\n"
+            f"    import site\n    site.main()\n"
+            f"    try:\n        import {module}\n"
+            f"    except ImportError as _e:\n"
+            f"        sys.stderr.write(f{MOVED!r})\n        sys.exit(127)\n"
             f"sys.exit({module}.main())\n")
 
 
@@ -214,6 +265,11 @@ def install(args: argparse.Namespace) -> int:
     except Refused as exc:
         print(f"gpumgr plugin install: {exc}; nothing was written", file=sys.stderr)
         return 2
+    if args.dry_run:
+        for note in notes:
+            print(f"would have: {note}")
+        print("dry run: nothing was written")
+        return 0
     try:
         apply(changes)
     except OSError as exc:
@@ -224,7 +280,8 @@ def install(args: argparse.Namespace) -> int:
     if not daemon_changed:
         print(f"{args.daemon_config} already registers runtime {RUNTIME_NAME!r}; nothing to reload")
     elif args.reload:
-        print(_reload(Path(args.dockerd_pidfile)))
+        wanted = RUNTIME_NAME if not args.no_default_runtime else default_of(Path(args.daemon_config))
+        return _reload_and_report(args, wanted, present=True)
     else:
         print(f"updated {args.daemon_config}: the Docker engine must reload it before Swarm tasks get GPUs.\n"
               "  A reload is enough, no restart: systemctl reload docker   (or: kill -HUP $(pidof dockerd))\n"
@@ -246,7 +303,7 @@ def _plan_install(args: argparse.Namespace) -> tuple[list[Change], list[str], bo
     hook = (Path(args.bin_dir) / "gpumgr-runtime").absolute()
     cli = (Path(args.cli_plugins_dir) / "docker-gpu").absolute()
     raw = read_bytes(target)
-    config = _parse_daemon_json(raw, daemon_path)
+    config = parse_daemon_json(raw, daemon_path)
     old_state = _read_state(runtime_config, daemon_path)
     default = not args.no_default_runtime
 
@@ -264,6 +321,11 @@ def _plan_install(args: argparse.Namespace) -> tuple[list[Change], list[str], bo
     if default:
         wanted["default-runtime"] = RUNTIME_NAME
     daemon_changed = wanted != config
+    announce(daemon_path, config, wanted, "install")
+    if default and daemon_changed:
+        print(f"  so {hook} becomes the default runtime of EVERY container this engine creates, GPU or not: "
+              f"those that ask gpumgr for no GPU memory go straight on to {plain}; 'gpumgr plugin uninstall' "
+              "puts the default back")
     new_daemon = (json.dumps(wanted, indent=2) + "\n").encode()
     digest = sha256_of(new_daemon) if daemon_changed else None
 
@@ -277,7 +339,7 @@ def _plan_install(args: argparse.Namespace) -> tuple[list[Change], list[str], bo
     else:  # installed before: keep the first install's backup and record, unless daemon.json was edited since
         state = {"created_daemon_config": bool(old_state.get("created_daemon_config")),
                  "previous_default_runtime": old_state.get("previous_default_runtime")
-                 if old_state else _backup_default(backup)}
+                 if old_state else backup_default(backup)}
         if default and current_default not in (None, RUNTIME_NAME):
             state["previous_default_runtime"] = current_default
         untouched = raw is not None and old_state.get("daemon_config_sha256") == sha256_of(raw)
@@ -286,11 +348,17 @@ def _plan_install(args: argparse.Namespace) -> tuple[list[Change], list[str], bo
                   is not None else None, "hook": str(hook), "cli_plugin": str(cli)})
 
     python = shlex.quote(sys.executable)
+    hook_missing = MISSING_PYTHON.format(program="gpumgr-runtime", python=sys.executable)
     hook_text = HOOK_LAUNCHER.format(
         mark=MARK, python=python, plain_q=shlex.quote(plain), config_q=shlex.quote(str(runtime_config)),
+        missing_q=shlex.quote(hook_missing), missing_json_q=shlex.quote(json.dumps({"level": "error",
+                                                                                  "msg": hook_missing})),
         config_env=Env.RUNTIME_CONFIG, runc_env=Env.RUNC,
-        marker=REQUEST_MEMORY, code=shlex.quote(launcher_code(HOOK_MODULE, HOOK_IMPORTS, HOOK_EAGER)))
+        marker=REQUEST_MEMORY, code=shlex.quote(launcher_code(HOOK_MODULE, HOOK_IMPORTS, HOOK_EAGER)),
+        gpu_pattern=GPU_SPEC_PATTERN)  # issue 22: a GPU spec without a request goes to the hook, which checks its grant
     cli_text = CLI_LAUNCHER.format(mark=MARK, python=python, metadata=json.dumps(METADATA),
+                                   missing_q=shlex.quote(MISSING_PYTHON.format(program="docker gpu",
+                                                                               python=sys.executable)),
                                    code=shlex.quote(launcher_code(CLI_MODULE, CLI_IMPORTS)))
     settings = {"runtime": gpu_runtime, "plain_runtime": plain, "hook_socket": args.hook_socket, STATE_KEY: state}
     changes = [Change(hook, hook_text.encode(), 0o755), Change(cli, cli_text.encode(), 0o755),
@@ -329,23 +397,6 @@ def _find_runtime() -> str | None:
     return None
 
 
-def _parse_daemon_json(raw: bytes | None, path: Path) -> dict[str, Any]:
-    """daemon.json as a dict ({} if absent or blank); Refused if it is not what dockerd accepts."""
-    if raw is None or not raw.strip():
-        return {}
-    try:
-        config = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise Refused(f"{path} is not valid JSON ({exc}); fix it first") from exc
-    if not isinstance(config, dict):
-        raise Refused(f"{path} holds a JSON {type(config).__name__}, not an object; fix it first")
-    if not isinstance(config.get("runtimes", {}), dict):
-        raise Refused(f"{path}: 'runtimes' is not an object; fix it first")
-    if not isinstance(config.get("default-runtime", ""), str):
-        raise Refused(f"{path}: 'default-runtime' is not a string; fix it first")
-    return config
-
-
 def _read_state(runtime_config: Path, daemon_path: Path) -> dict[str, Any]:
     """What a former install on ``daemon_path`` recorded in the settings file ({} if nothing usable)."""
     try:
@@ -358,15 +409,6 @@ def _read_state(runtime_config: Path, daemon_path: Path) -> dict[str, Any]:
     return state
 
 
-def _backup_default(backup: Path) -> str | None:
-    """The default runtime the backup names, unless it is gpumgr's own (a backup from an older install)."""
-    try:
-        found = _parse_daemon_json(read_bytes(backup), backup).get("default-runtime")
-    except Refused:
-        return None
-    return found if isinstance(found, str) and found != RUNTIME_NAME else None
-
-
 # --- uninstall -------------------------------------------------------------------------------------
 
 def uninstall(args: argparse.Namespace) -> int:
@@ -376,6 +418,11 @@ def uninstall(args: argparse.Namespace) -> int:
     except Refused as exc:
         print(f"gpumgr plugin uninstall: {exc}; nothing was changed", file=sys.stderr)
         return 2
+    if args.dry_run:
+        for note in notes:
+            print(f"would have: {note}")
+        print("dry run: nothing was changed")
+        return 0
     try:
         apply(changes)
     except OSError as exc:
@@ -388,7 +435,7 @@ def uninstall(args: argparse.Namespace) -> int:
     if not daemon_changed:
         print(f"{args.daemon_config} was not changed: nothing to reload")
     elif args.reload:
-        print(_reload(Path(args.dockerd_pidfile)))
+        return _reload_and_report(args, default_of(Path(args.daemon_config)), present=False)
     else:
         print(f"updated {args.daemon_config}: the Docker engine must reload it to stop using gpumgr-runtime.\n"
               "  A reload is enough, no restart: systemctl reload docker   (or: kill -HUP $(pidof dockerd))\n"
@@ -398,43 +445,46 @@ def uninstall(args: argparse.Namespace) -> int:
 
 
 def _plan_uninstall(args: argparse.Namespace) -> tuple[list[Change], list[str], bool]:
+    """The files uninstall changes, what to tell, and whether daemon.json changes; prints daemon.json's changes.
+
+    daemon.json always ends naming ``default-runtime`` and ``runtimes`` outright: dockerd keeps the old value
+    of a key its file leaves out when it reloads, so a file without them would leave gpumgr-runtime the
+    engine's default after the launcher is gone, and no container could start.
+    """
     daemon_path = Path(args.daemon_config).absolute()
     target = Path(os.path.realpath(daemon_path))
     backup = daemon_path.with_name(daemon_path.name + BACKUP_SUFFIX)
     runtime_config = Path(args.runtime_config).absolute()
     state = _read_state(runtime_config, daemon_path)
     raw = read_bytes(target)
-    config = _parse_daemon_json(raw, daemon_path)
+    config = parse_daemon_json(raw, daemon_path)
     changes: list[Change] = []
     notes: list[str] = []
-    daemon_changed = False
+    wanted: dict[str, Any] | None = None
     if raw is not None and state.get("daemon_config_sha256") == sha256_of(raw):  # as install left it
         backup_data = read_bytes(backup)
-        if state.get("created_daemon_config"):
-            changes.append(Change(target, None))
-            notes.append(f"removed {daemon_path}: gpumgr plugin install created it")
-            daemon_changed = True
-        elif backup_data is not None:
-            _parse_daemon_json(backup_data, backup)
-            changes += [Change(target, backup_data, mode_of(target)), Change(backup, None)]
-            notes.append(f"restored {daemon_path} from {backup}")
-            daemon_changed = True
-    if not daemon_changed and raw is not None:  # edited since install (or no record): take out only gpumgr's
-        previous = state.get("previous_default_runtime") if state else _backup_default(backup)
-        stripped = _strip(config, previous)
-        if stripped != config:
-            daemon_changed = True
-            if not stripped and state.get("created_daemon_config"):
-                changes.append(Change(target, None))
-                notes.append(f"removed {daemon_path}: gpumgr plugin install created it")
-            else:
-                changes.append(Change(target, (json.dumps(stripped, indent=2) + "\n").encode(), mode_of(target)))
-                notes.append(f"took runtime {RUNTIME_NAME!r} out of {daemon_path}"
-                             + (f" and made {previous!r} the default runtime again"
-                                if config.get("default-runtime") == RUNTIME_NAME and previous else "")
-                             + "; it is not as install left it, so its other settings are kept")
-            if backup.exists():
-                notes.append(f"kept {backup} (the file before install) to compare with")
+        if state.get("created_daemon_config") or backup_data is not None:
+            before = {} if state.get("created_daemon_config") else parse_daemon_json(backup_data, backup)
+            wanted = explicit(before)
+            data = backup_data if wanted == before and backup_data is not None else dump(wanted)
+            changes.append(Change(target, data, mode_of(target)))
+            if backup_data is not None:
+                changes.append(Change(backup, None))
+            notes.append(f"put {daemon_path} back as it was before install" + (
+                "" if wanted == before else f", naming the default runtime {wanted['default-runtime']!r} and "
+                "the runtimes outright so that a reload takes them"))
+    if wanted is None and raw is not None and RUNTIME_NAME in (*config.get("runtimes", {}), config.get(
+            "default-runtime")):  # edited since install (or no record): take out only gpumgr's
+        previous = state.get("previous_default_runtime") if state else backup_default(backup)
+        wanted = strip(config, previous)
+        changes.append(Change(target, dump(wanted), mode_of(target)))
+        notes.append(f"took runtime {RUNTIME_NAME!r} out of {daemon_path}; it is not as install left it, "
+                     "so its other settings are kept")
+        if backup.exists():
+            notes.append(f"kept {backup} (the file before install) to compare with")
+    daemon_changed = wanted is not None and dump(wanted) != raw
+    if wanted is not None:
+        announce(daemon_path, config, wanted, "uninstall")
     launchers = {Path(args.bin_dir).absolute() / "gpumgr-runtime", Path(args.cli_plugins_dir).absolute() / "docker-gpu"}
     launchers.update(Path(state[key]) for key in ("hook", "cli_plugin") if isinstance(state.get(key), str))
     for launcher in sorted(launchers):
@@ -453,25 +503,14 @@ def _plan_uninstall(args: argparse.Namespace) -> tuple[list[Change], list[str], 
     return changes, notes, daemon_changed
 
 
-def _strip(config: dict[str, Any], previous_default: str | None) -> dict[str, Any]:
-    """``config`` without gpumgr's runtime, and with ``previous_default`` as the default again if gpumgr was it."""
-    stripped = dict(config)
-    runtimes = {name: value for name, value in config.get("runtimes", {}).items() if name != RUNTIME_NAME}
-    if runtimes:
-        stripped["runtimes"] = runtimes
-    else:
-        stripped.pop("runtimes", None)
-    if config.get("default-runtime") == RUNTIME_NAME:
-        if previous_default:
-            stripped["default-runtime"] = previous_default
-        else:
-            del stripped["default-runtime"]
-    return stripped
+def _reload_and_report(args: argparse.Namespace, default_runtime: str, present: bool) -> int:
+    """Reload dockerd and check with it that it took daemon.json; 0 if it did, else 1 and what to do."""
+    ok, line = reload_and_check(Path(args.dockerd_pidfile), args.docker_host, default_runtime, RUNTIME_NAME, present)
+    print(line, file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
 
 
-def _reload(pidfile: Path) -> str:
-    try:
-        os.kill(int(pidfile.read_text().strip()), signal.SIGHUP)
-    except (OSError, ValueError) as exc:
-        return f"could not signal dockerd through {pidfile} ({exc}); run: systemctl reload docker"
-    return "sent SIGHUP to dockerd: it loads daemon.json now (no restart needed)"
+def status(args: argparse.Namespace) -> int:
+    """``gpumgr plugin status``: see :func:`gpumgr.plugin.engine.status`."""
+    return engine_status(args, RUNTIME_NAME, lambda path: parse_daemon_json(
+        read_bytes(Path(os.path.realpath(path))), path))

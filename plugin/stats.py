@@ -40,6 +40,9 @@ JSON_KEYS = ("id", "container_id", "name", "node", "gpus", "grant_bytes", "gpu_c
              "percent", "state")
 #: The bar's segments in order: (key in the GPU entry, cell character, style, legend). Each segment has its own
 #: character so that the bar still reads without colour.
+#: How ``-a``'s STATE column shows each state (the live ones plain); ended ones are dimmed, a kill is red.
+STATE_STYLES = {"queued": "yellow", "exited": "dim", "removed": "dim", "expired": "dim", "preempted": "dim",
+                "killed": "red", "failed": "red"}
 SEGMENTS = (("memory_reserved", "█", "cyan", "reserved"), ("memory_unmanaged", "▓", "magenta", "unmanaged"),
             ("memory_headroom", "▒", "bright_black", "headroom"), ("memory_free", "░", "green", "free"))
 
@@ -81,7 +84,7 @@ def stats(client: Client, argv: list[str], error: type[Exception]) -> int:
     try:
         if args.format == "json":
             return _stats_json(rows, args.no_stream, error)
-        return _stats_table(rows, args.no_stream, error)
+        return _stats_table(rows, args.no_stream, error, with_state=args.all)
     except KeyboardInterrupt:  # Ctrl-C is how the live views end
         return 0
     except BrokenPipeError:  # e.g. '| head -1': the reader has what it wanted
@@ -120,30 +123,38 @@ def grant_text(per_gpu: int, count: int) -> str:
     return format_bytes(per_gpu) if count == 1 else f"{count}×{format_bytes(per_gpu)}"
 
 
-def stats_table(rows: Sequence[dict[str, Any]]) -> Table:
-    """The ``docker stats``-like table of ``rows`` (objects of ``stats_row``)."""
+def stats_table(rows: Sequence[dict[str, Any]], with_state: bool = False) -> Table:
+    """The ``docker stats``-like table of ``rows`` (objects of ``stats_row``).
+
+    ``with_state`` (``-a``, where queued and ended containers are listed too) adds a STATE column after NAME,
+    so that an ended container's last figures are not taken for a live one's.
+    """
     from rich.text import Text
 
-    table = _table("CONTAINER ID", "NAME", "NODE", "GPU", "GRANT", "USED", "PEAK", "%", right_from=4)
+    state_column = ("STATE",) if with_state else ()
+    table = _table("CONTAINER ID", "NAME", *state_column, "NODE", "GPU", "GRANT", "USED", "PEAK", "%",
+                   right_from=4 + len(state_column))
     for row in rows:
         percent = row["percent"]
         style = "" if percent is None else "bold red" if percent > 100 else "yellow" if percent >= WARN_PERCENT else ""
-        table.add_row(str(row["container_id"] or "-")[:12], row["name"], row["node"] or "-",
+        state = (Text(row["state"], style=STATE_STYLES.get(row["state"], "")),) if with_state else ()
+        table.add_row(str(row["container_id"] or "-")[:12], row["name"], *state, row["node"] or "-",
                       ",".join(str(g["index"]) for g in row["gpus"]) or "-",
                       grant_text(row["grant_bytes"], row["gpu_count"]), format_bytes(row["used_bytes"]),
                       format_bytes(row["peak_bytes"]), Text("-" if percent is None else f"{percent:.1f}%", style=style))
     return table
 
 
-def _stats_table(rows: Callable[[], list[dict[str, Any]]], once: bool, error: type[Exception]) -> int:
+def _stats_table(rows: Callable[[], list[dict[str, Any]]], once: bool, error: type[Exception],
+                 with_state: bool) -> int:
     console = _console()
     if once:
-        console.print(stats_table(rows()))
+        console.print(stats_table(rows(), with_state))
         return 0
 
     def frame() -> RenderableType:
         try:
-            return stats_table(rows())
+            return stats_table(rows(), with_state)
         except error as exc:  # the manager is away: say so where the table goes, and try again
             from rich.text import Text
 

@@ -75,3 +75,23 @@ def docker_agent(tmp_path, manager, test_image, cleanup_containers) -> Iterator[
     proc = AgentProc(tmp_path, manager, "node-a", gpus="sim:2x24GiB")
     yield proc
     proc.stop()
+
+
+@pytest.fixture
+def etcd(tmp_path) -> Iterator[object]:
+    """One real etcd member on loopback (skips without an etcd server unless GPUMGR_REQUIRE_ETCD=1)."""
+    from tests.etcd import EtcdCluster
+
+    cluster = EtcdCluster(tmp_path, size=1)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def etcd3(tmp_path) -> Iterator[object]:
+    """A real three-member etcd cluster on loopback."""
+    from tests.etcd import EtcdCluster
+
+    cluster = EtcdCluster(tmp_path, size=3)
+    yield cluster
+    cluster.stop()

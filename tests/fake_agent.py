@@ -97,7 +97,10 @@ class FakeAgent:
         self.socket.close(linger=0)
 
     def _answer(self, envelope: protocol.Envelope, message: protocol.Message) -> None:
-        if isinstance(message, protocol.Create):
+        if isinstance(message, protocol.Reregister):  # as a real agent does: its whole report again
+            self.send(protocol.Register(node=self.node, runtime="docker", gpus=self.gpus,
+                                        containers=list(self.reports.values())))
+        elif isinstance(message, protocol.Create):
             if self.behaviour == "silent":
                 return
             if self.behaviour == "fail":

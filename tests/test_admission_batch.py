@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from gpumgr.manager.admission import NODES_FILE, Admission, JoinRefused
+from gpumgr.manager.admission import Admission, JoinRefused
+from gpumgr.manager.store import NODES_FILE
 from gpumgr.wire import security
 from gpumgr.wire.errors import GpumgrError
 

@@ -133,17 +133,21 @@ def test_agent_failure_is_502_and_releases_the_grant(stack) -> None:
 
 
 def test_agent_timeout_is_504_and_a_late_success_is_removed(stack) -> None:
+    """An unanswered create keeps its grant (the container may exist) until its node's report settles it."""
     manager, client, add_agent = stack
     agent = add_agent(behaviour="silent")
     response = post(client, {"gpu_memory": "1GiB", "image": "x"})
     assert response.status_code == 504 and response.json["error"]["code"] == "agent_timeout"
-    failed = client.get("/v1/containers?state=failed").json["containers"][0]
-    assert all(g["memory_reserved"] == 0 for n in manager.cluster.nodes_view() for g in n["gpus"])
+    pending = client.get("/v1/containers?state=creating").json["containers"][0]
+    assert pending["desired_state"] == "removed" and pending["operation"] is None
+    assert sum(g["memory_reserved"] for n in manager.cluster.nodes_view() for g in n["gpus"]) == GiB
     # the agent finishes the create after all: its next heartbeat reports it, the manager orders it removed
-    agent.reports[failed["id"]] = ContainerReport(grant=failed["id"], container_id="late", gpu_memory=GiB,
-                                                  gpus=[g["uuid"] for g in failed["gpus"]], state="running")
+    agent.reports[pending["id"]] = ContainerReport(grant=pending["id"], container_id="late", gpu_memory=GiB,
+                                                   gpus=[g["uuid"] for g in pending["gpus"]], state="running")
     agent.heartbeat()
-    wait_for(lambda: failed["id"] not in agent.reports, 5, what="the late container to be removed")
+    wait_for(lambda: pending["id"] not in agent.reports, 5, what="the late container to be removed")
+    wait_for(lambda: client.get(f"/v1/containers/{pending['id']}").json["state"] == "removed", 5,
+             what="its record to end")
     assert all(g["memory_reserved"] == 0 for n in manager.cluster.nodes_view() for g in n["gpus"])
 
 

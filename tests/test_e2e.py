@@ -58,19 +58,29 @@ def test_spread_and_binpack_follow_free_memory(manager, docker_agent, test_image
     assert too_big.status_code == 409 and "20GiB" in too_big.json()["error"]["message"]
 
 
-def test_missing_image_is_502_with_dockers_reason_and_leaves_nothing(manager, docker_agent, docker_client):
+def test_missing_image_is_a_400_with_dockers_reason_and_leaves_nothing(manager, docker_agent, docker_client):
+    """An unknown image is the caller's mistake: a 4xx with the engine's words, never a 502."""
     response = manager.post("/v1/containers", json={"image": "gpumgr-test/absent:1", "gpu_memory": "1GiB"})
-    assert response.status_code == 502, response.text
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "image_not_found"
     assert "absent" in response.json()["error"]["message"]
     assert all(g["memory_reserved"] == 0 for g in manager.node("node-a")["gpus"])
     assert not docker_client.containers.list(all=True, filters={"label": "gpumgr.node=node-a"})
     assert manager.get("/v1/containers", params={"state": "failed"}).json()["containers"]
 
 
+def test_an_image_reference_the_engine_rejects_is_a_400_with_its_words(manager, docker_agent, docker_client):
+    """Found by schemathesis: a 300-character reference was a 502 agent_failed."""
+    response = manager.post("/v1/containers", json={"image": "a" * 300, "gpu_memory": "1GiB"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_request"
+    assert all(g["memory_reserved"] == 0 for g in manager.node("node-a")["gpus"])
+
+
 def test_failed_start_releases_the_grant_and_removes_the_container(manager, docker_agent, docker_client, test_image):
     response = manager.post("/v1/containers", json={"image": test_image, "gpu_memory": "1GiB",
                                                     "command": ["/no/such/binary"]})
-    assert response.status_code == 502, response.text
+    assert response.status_code == 400 and response.json()["error"]["code"] == "bad_command", response.text
     assert all(g["memory_reserved"] == 0 for g in manager.node("node-a")["gpus"])
     assert not docker_client.containers.list(all=True, filters={"label": "gpumgr.node=node-a"})
 

@@ -136,3 +136,29 @@ def test_cgroup_lookups_are_remembered_per_process_identity(docker_client, test_
     finally:
         runtime.remove("g-cgroup", 1)
         runtime.close()
+
+
+@pytest.mark.docker
+def test_a_missed_start_event_is_caught_by_the_resync(docker_client, test_image, tmp_path):
+    """Defect 9: a task whose start event was lost stayed ``creating`` for good (never enforced, never resizable)."""
+    from gpumgr.agent.docker_runtime import DockerRuntime
+    from gpumgr.agent.runtime import Managed
+    from gpumgr.wire.names import State
+    from tests.procs import TEST_NODES
+
+    node = f"unit-resync-{tmp_path.name}"[:60]
+    TEST_NODES.add(node)
+    changes: list[str] = []
+    runtime = DockerRuntime(lambda m: changes.append(str(m.state)), node=node, network_mode="none",
+                            client=docker_client)
+    container = docker_client.containers.run(test_image, ["sleep", "300"], detach=True, network_mode="none",
+                                              labels={"gpumgr.test-node": node})
+    try:
+        managed = Managed(grant="g-resync", container_id=container.id, name="task", gpus=["GPU-x"], gpu_memory=GiB,
+                          state=State.CREATING, hook=True)
+        runtime._track(managed)  # a hook grant whose container started while the event stream was down
+        runtime._resync()
+        assert managed.state == State.RUNNING and changes == ["running"]
+    finally:
+        container.remove(force=True)
+        runtime.close()

@@ -111,7 +111,7 @@ def test_the_agent_takes_the_request_from_the_engine_not_from_the_hook(docker_ag
     plain = docker_client.containers.create(test_image, ["true"], network_mode="none",
                                             labels={"gpumgr.node": docker_agent.node})
     try:
-        with pytest.raises(Refused, match="no GPU on node"):  # the engine says 1 PiB, whatever the hook says
+        with pytest.raises(Refused, match="no GPU could ever hold this: 1024TiB"):  # the engine's 1 PiB counts
             ask_agent(_reserve(huge.id, 1), docker_agent.hook_socket)
         with pytest.raises(Refused, match="asks for no valid GPU memory"):  # no request in its configuration
             ask_agent(_reserve(plain.id, 1 << 30), docker_agent.hook_socket)

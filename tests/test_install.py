@@ -1,13 +1,18 @@
-"""``gpumgr plugin install`` / ``uninstall`` on temporary folders: never /etc/docker, never a real engine."""
+"""``gpumgr plugin install`` / ``uninstall`` / ``status`` on temporary folders: never /etc/docker, never a real engine.
+
+The same on a real (private) engine: tests/test_install_engine.py.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -23,6 +28,9 @@ ORIGINAL = (b'{ "log-level":"warn",\n\t"runtimes": {"nvidia": {"path": "nvidia-c
             b' "runtimeArgs": []}}}\n')
 NVIDIA_DEFAULT = (b'{"default-runtime": "nvidia",\n "runtimes": {"nvidia": {"path": "nvidia-container-runtime"}},'
                   b' "debug": false}')
+#: What uninstall leaves where install created daemon.json: dockerd keeps its old default on a reload
+#: when the file names none, so the file must name runc (and the runtimes, even none) outright.
+RUNC_EXPLICIT = b'{\n  "default-runtime": "runc",\n  "runtimes": {}\n}\n'
 GRANT_ENV = {"NVIDIA_VISIBLE_DEVICES": "GPU-1111-2222", "GPUMGR_GPU_MEMORY": "1073741824", "GPUMGR_GRANT": "g-1"}
 
 
@@ -90,9 +98,11 @@ def write_daemon(host: Host, data: bytes) -> None:
 
 # --- daemon.json -------------------------------------------------------------------------------------
 
-def test_install_on_an_empty_host_and_uninstall_leaves_nothing(host: Host) -> None:
+def test_install_on_an_empty_host_and_uninstall_leaves_only_the_default_runtime(host: Host) -> None:
     code, out, _ = host.install()
     assert code == 0 and "must reload" in out and "systemctl reload docker" in out
+    assert f"gpumgr plugin install changes {host.daemon}:" in out  # said before it was written
+    assert 'default-runtime: (not set) -> "gpumgr"' in out and "EVERY container this engine creates" in out
     assert host.daemon_json() == {"runtimes": {"gpumgr": {"path": str(host.hook.resolve())}},
                                   "default-runtime": "gpumgr"}
     assert not host.backup.exists()  # there was nothing to back up
@@ -105,11 +115,12 @@ def test_install_on_an_empty_host_and_uninstall_leaves_nothing(host: Host) -> No
     assert json.loads(metadata.stdout)["SchemaVersion"] == "0.1.0"
 
     code, out, _ = host.uninstall()
-    assert code == 0 and "must reload" in out
-    assert host.tree() == {}  # daemon.json (which install created), launchers and settings are gone
+    assert code == 0 and "must reload" in out and 'default-runtime: "gpumgr" -> "runc"' in out
+    # launchers and settings are gone; daemon.json names runc outright, or a reload would keep gpumgr the default
+    assert host.tree() == {"etc-docker/daemon.json": RUNC_EXPLICIT}
 
 
-def test_other_settings_are_kept_and_uninstall_restores_the_file_byte_for_byte(host: Host) -> None:
+def test_other_settings_are_kept_and_uninstall_restores_them_naming_the_default_runtime(host: Host) -> None:
     write_daemon(host, ORIGINAL)
     host.daemon.chmod(0o600)
     assert host.install()[0] == 0
@@ -120,9 +131,10 @@ def test_other_settings_are_kept_and_uninstall_restores_the_file_byte_for_byte(h
     assert stat.S_IMODE(host.daemon.stat().st_mode) == 0o600  # the file's mode is kept
 
     code, out, _ = host.uninstall()
-    assert code == 0 and f"restored {host.daemon}" in out and "must reload" in out
-    assert host.daemon.read_bytes() == ORIGINAL and stat.S_IMODE(host.daemon.stat().st_mode) == 0o600
-    assert host.tree() == {"etc-docker/daemon.json": ORIGINAL}  # the backup went with the rest
+    assert code == 0 and f"put {host.daemon} back as it was before install" in out and "must reload" in out
+    assert host.daemon_json() == {**json.loads(ORIGINAL), "default-runtime": "runc"}
+    assert stat.S_IMODE(host.daemon.stat().st_mode) == 0o600
+    assert set(host.tree()) == {"etc-docker/daemon.json"}  # the backup went with the rest
 
 
 @pytest.mark.parametrize("bad", [b'{"runtimes": {', b"[1, 2]", b'{"runtimes": ["runc"]}', b'{"default-runtime": 1}',
@@ -157,10 +169,10 @@ def test_no_default_runtime_registers_beside_another_default(host: Host) -> None
 
 
 def test_runc_as_the_default_is_replaced_without_force_and_put_back(host: Host) -> None:
-    original = b'{"default-runtime": "runc"}'
+    original = b'{"default-runtime": "runc", "runtimes": {}}'
     write_daemon(host, original)
     assert host.install()[0] == 0 and host.daemon_json()["default-runtime"] == "gpumgr"
-    assert host.uninstall()[0] == 0 and host.daemon.read_bytes() == original
+    assert host.uninstall()[0] == 0 and host.daemon.read_bytes() == original  # it names both: byte for byte
 
 
 def test_uninstall_after_the_file_was_edited_takes_out_only_what_install_added(host: Host) -> None:
@@ -169,7 +181,7 @@ def test_uninstall_after_the_file_was_edited_takes_out_only_what_install_added(h
     edited = {**host.daemon_json(), "debug": True, "max-concurrent-downloads": 5}  # someone's edits since
     host.daemon.write_text(json.dumps(edited))
     code, out, _ = host.uninstall()
-    assert code == 0 and "not as install left it" in out and "'nvidia' the default runtime again" in out
+    assert code == 0 and "not as install left it" in out and 'default-runtime: "gpumgr" -> "nvidia"' in out
     assert host.daemon_json() == {"default-runtime": "nvidia", "debug": True, "max-concurrent-downloads": 5,
                                   "runtimes": {"nvidia": {"path": "nvidia-container-runtime"}}}
     assert host.backup.read_bytes() == NVIDIA_DEFAULT  # kept, to compare with
@@ -190,7 +202,8 @@ def test_reinstall_is_idempotent_and_keeps_the_first_backup(host: Host) -> None:
     assert code == 0 and "must reload" in out and host.backup.read_bytes() == ORIGINAL
     assert host.daemon_json()["runtimes"]["gpumgr"]["path"] == str(Path(moved, "gpumgr-runtime").resolve())
     assert host.uninstall("--bin-dir", moved)[0] == 0
-    assert host.daemon.read_bytes() == ORIGINAL and not Path(moved, "gpumgr-runtime").exists()
+    assert host.daemon_json() == {**json.loads(ORIGINAL), "default-runtime": "runc"}
+    assert not Path(moved, "gpumgr-runtime").exists()
 
 
 def test_uninstall_is_idempotent_and_refuses_a_malformed_daemon_json(host: Host) -> None:
@@ -340,3 +353,48 @@ def _fake_agent(path: Path, requests: list[dict[str, Any]]) -> threading.Thread:
 def test_a_runtime_that_is_not_there_is_refused(host: Host) -> None:
     code, _, err = host._run("install", "--runtime", str(host.root / "missing"), "--plain-runtime", str(host.runc))
     assert code != 0 and "no such executable" in err and host.tree() == {}
+
+
+# --- launchers whose Python is gone ------------------------------------------------------------------
+
+def test_launchers_whose_python_is_gone_fail_with_127_and_say_which(
+        host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A virtual environment moved or deleted after install: the launchers say so instead of a bare 'not found'."""
+    gone = host.root / "moved-venv" / "bin" / "python3"
+    monkeypatch.setattr(sys, "executable", str(gone))
+    assert host.install()[0] == 0
+    cli = subprocess.run([str(host.cli), "nodes"], capture_output=True, text=True, timeout=30)
+    assert cli.returncode == 127 and str(gone) in cli.stderr and "gpumgr plugin install" in cli.stderr
+    metadata = subprocess.run([str(host.cli), "docker-cli-plugin-metadata"], capture_output=True, text=True)
+    assert metadata.returncode == 0  # docker asks every plugin for this: it needs no Python
+
+    bundle = _bundle(host.root, ["PATH=/bin", "GPUMGR_REQUEST_MEMORY=1GiB"])
+    log = host.root / "log.json"
+    created = _run_launcher(host, "--root", "/r", "--log", str(log), "create", "--bundle", str(bundle), "c1")
+    assert created.returncode == 127 and str(gone) in created.stderr
+    assert str(gone) in json.loads(log.read_text())["msg"]  # where dockerd reads a runtime's error from
+    assert host.runtime_calls() == []  # the GPU container was not started unpinned
+    plain = _run_launcher(host, "--root", "/r", "--log=" + str(log), "start", "c2")
+    assert plain.returncode == 0 and host.runtime_calls() == ["runc --root /r --log=" + str(log) + " start c2"]
+
+
+def test_status_names_a_launcher_whose_python_is_gone(host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "executable", str(host.root / "gone" / "python3"))
+    assert host.install()[0] == 0
+    monkeypatch.undo()
+    code, out, _ = host._run("status", "--docker-host", "unix:///nonexistent/docker.sock")
+    assert code == 1 and f"runs {host.root / 'gone' / 'python3'} (NOT THERE)" in out
+    assert "no Docker engine answers at unix:///nonexistent/docker.sock" in out
+    assert "3 problem(s)" in out  # two launchers, one engine
+
+
+def test_a_launcher_whose_python_no_longer_has_gpumgr_says_so(host: Host, tmp_path: Path) -> None:
+    """The interpreter is there, gpumgr is not (uninstalled from it): exit 127 naming the missing module."""
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    assert host.install()[0] == 0
+    text = host.cli.read_text().replace(shlex.quote(sys.executable), shlex.quote(str(venv / "bin" / "python")))
+    text = text.replace(str(Path(sys.modules["gpumgr.plugin"].__path__[0])), str(tmp_path / "gone"))
+    host.cli.write_text(text)
+    result = subprocess.run([str(host.cli), "nodes"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 127 and "gpumgr is not installed for this Python" in result.stderr, result.stderr

@@ -147,7 +147,7 @@ def test_hook_grants_end_at_their_deadline_unless_a_heartbeat_confirms_them():
     assert reserved(cluster) == {"a-g0": 5 * GiB}
     removals = cluster.heartbeat("a", b"a", [], [ContainerStatus(grant=kept.id, container_id="kept",
                                                                  state="running")])
-    assert removals == []
+    assert removals == ([], [])
     assert kept.state is State.RUNNING and kept.deadline is None
     assert lost.state is State.CREATING
     cluster.down_after = 60  # the node stays up: a grant is not expired while its node is down
@@ -346,7 +346,7 @@ def test_ended_grants_past_the_finished_cap_stay_forgotten(monkeypatch):
         with pytest.raises(NotFound):
             cluster.get(cid)
     statuses = [ContainerStatus(grant=c, container_id=f"c-{c}", state="exited", exit_code=0) for c in ids]
-    assert cluster.heartbeat("a", b"a", [], statuses) == []  # not None: no new registration is asked for
+    assert cluster.heartbeat("a", b"a", [], statuses) == ([], [])  # not None: no new registration is asked for
     for cid in ids[:3]:
         with pytest.raises(NotFound):
             cluster.get(cid)
@@ -364,7 +364,7 @@ def test_a_node_down_longer_than_forget_after_is_forgotten_with_its_grants():
     cluster = make_cluster(forget_after=60)
     record = running(cluster, 4 * GiB)
     start = time.monotonic()
-    assert cluster.sweep(now=start + 10) == ["a"]
+    assert cluster.sweep(now=start + 10)[0] == ["a"]
     assert cluster.routing_id_of("a") is not None and record.state is State.RUNNING
     cluster.sweep(now=start + 120)
     assert cluster.routing_id_of("a") is None and cluster.nodes_view() == []
@@ -491,7 +491,7 @@ def test_a_create_that_finished_after_a_manager_restart_is_never_adopted_over_th
                                                gpu_memory=8 * GiB, state="running"))
     late = ContainerReport(grant="late", container_id="c2", gpus=placed.gpus, gpu_memory=8 * GiB, state="running")
     mine = ContainerReport(grant=placed.id, container_id="c1", gpus=placed.gpus, gpu_memory=8 * GiB, state="running")
-    removals = cluster.register("a", b"a2", "docker", gpu_infos("a", size=10 * GiB), [mine, late])
+    removals = cluster.register("a", b"a2", "docker", gpu_infos("a", size=10 * GiB), [mine, late])[0]
     assert removals == ["late"]
     gpu = cluster.nodes_view()[0]["gpus"][0]
     assert gpu["memory_reserved"] == 8 * GiB and gpu["containers"] == [placed.id]
@@ -510,5 +510,8 @@ def test_a_hook_grant_is_not_expired_while_its_node_is_down() -> None:
     cluster.sweep(now=now + 60)  # long past the grant's deadline
     assert cluster.get(hook.id).state is State.CREATING
     status = ContainerStatus(grant=hook.id, container_id="t1", state="running")
-    assert cluster.heartbeat("a", b"a", [], [status]) == []  # back: its report confirms the task
+    assert cluster.heartbeat("a", b"a", [], [status]) is None  # back from down: its whole report is asked for
+    report = ContainerReport(grant=hook.id, container_id="t1", gpus=hook.gpus, gpu_memory=GiB, state="running",
+                             hook=True)
+    cluster.register("a", b"a", "docker", gpu_infos("a"), [report])  # its registration confirms the task
     assert cluster.get(hook.id).state is State.RUNNING

@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gpumgr.manager.cluster import Cluster
-from gpumgr.manager.records import PlacementSpec
+from gpumgr.manager.records import OpKind, PlacementSpec
 from gpumgr.manager.scheduler import Placement, Request, place
 from gpumgr.manager.tenants import Tenant, TenantBook
 from gpumgr.wire.errors import GpumgrError, NoFit, QuotaExceeded
 from gpumgr.wire.names import LIVE, State
-from gpumgr.wire.protocol import ContainerReport, GpuInfo
+from gpumgr.wire.protocol import ContainerReport, GpuInfo, Reply
 
 U = 1 << 30
 TENANTS = {"t1": Tenant("t1", b"t1" * 8, 12 * U, 4, 5), "t2": Tenant("t2", b"t2" * 8, None, None, 2)}
@@ -48,7 +48,7 @@ class QueueMachine(RuleBasedStateMachine):
         spec = PlacementSpec(memory=memory * U, count=count, placement="spread", image="img", command=[],
                              priority=min(priority, owner.priority) if owner else priority, preemptible=preemptible)
         try:
-            record = self.cluster.submit(spec, queue=queue, tenant=owner)
+            record, _ = self.cluster.submit(spec, queue=queue, tenant=owner)
         except QuotaExceeded:
             return
         except (NoFit, GpumgrError):
@@ -60,14 +60,17 @@ class QueueMachine(RuleBasedStateMachine):
 
     @rule()
     def dispatch(self) -> None:
-        started, victims = self.cluster.dispatch()
-        for record in started:
-            assert record.gpus  # placed; it may have been confirmed or ended since the walk that placed it
-        for victim in victims:
+        commands, _ = self.cluster.dispatch()
+        victims = [c for c in commands if c.kind is OpKind.REMOVE]
+        for command in commands:
+            assert command.record.gpus  # placed, or chosen to make room
+        for command in victims:
+            victim = command.record
             assert victim.preemptible and victim.preempted_for is not None
             head = self.cluster.get(victim.preempted_for)
             assert victim.priority < head.priority, (victim.priority, head.priority)
-            self.cluster.finish(victim.id, State.PREEMPTED)
+            self.cluster.settle(command, Reply(ok=True), None)
+            assert victim.state is State.PREEMPTED
         if not victims:
             self.assert_head_blocked()
 
@@ -96,22 +99,24 @@ class QueueMachine(RuleBasedStateMachine):
         record = self.cluster.get(cid)
         tenant = TENANTS.get(record.tenant) if record.tenant else None
         try:
-            record, old, needs_node = self.cluster.begin_resize(cid, memory * U, force=True, tenant=tenant)
+            record, command = self.cluster.begin_resize(cid, memory * U, force=True, tenant=tenant)
         except GpumgrError:
             return
-        if needs_node:
-            self.cluster.end_resize(cid, old, memory * U, ok=data.draw(st.booleans(), "node took it"))
+        if command is not None:
+            self.cluster.settle(command, Reply(ok=data.draw(st.booleans(), "node took it")), None)
 
     def assert_head_blocked(self) -> None:
         cluster = self.cluster
         for cid in cluster.queue.ids():
             record = cluster.get(cid)
             assert record.spec is not None
-            if not cluster._within_live_quota(record):  # stepped over: only its own quota holds it
+            if not cluster.quotas.within_live(record):  # stepped over: only its own quota holds it
                 continue
+            if cluster.ledger.capacity(record.spec.count) < record.gpu_memory:
+                continue  # stepped over: no node on the map could ever hold it
             request = Request(record.spec.memory, record.spec.count, None, Placement.SPREAD)
             try:
-                place(cluster._index, request)
+                place(cluster.ledger.index, request)
             except NoFit:
                 return
             raise AssertionError(f"queued {cid} fits but was left waiting")
@@ -121,8 +126,12 @@ class QueueMachine(RuleBasedStateMachine):
         live = [c for c in self.cluster.containers() if c.state in LIVE]
         for node in self.cluster.nodes_view():
             for gpu in node["gpus"]:
-                held = sum(c.gpu_memory for c in live if gpu["uuid"] in c.gpus)
+                held = sum(c.held for c in live if gpu["uuid"] in c.gpus)
                 assert gpu["memory_reserved"] == held <= self.totals[gpu["uuid"]]
+
+    @invariant()
+    def the_model_invariant_holds(self) -> None:
+        assert self.cluster.check() == []
 
     @invariant()
     def queued_hold_nothing(self) -> None:
@@ -160,8 +169,8 @@ def test_a_request_that_does_not_wait_never_preempts_anything() -> None:
     """Only a queued request is worth stopping a container for: one refused with 409 must leave everything running."""
     cluster = Cluster(aging=3600.0)
     cluster.register("a", b"a", "docker", [GpuInfo(uuid="a-g0", index=0, name="Sim", memory_total=8 * U)], [])
-    victim = cluster.submit(PlacementSpec(memory=6 * U, count=1, placement="spread", image="img", command=[],
-                                          preemptible=True))
+    victim, _ = cluster.submit(PlacementSpec(memory=6 * U, count=1, placement="spread", image="img", command=[],
+                                             preemptible=True))
     cluster.started(victim.id, ContainerReport(grant=victim.id, container_id="c1", gpus=victim.gpus,
                                                gpu_memory=6 * U, state="running"))
     # something waits (for a node that is not here), so the newcomer goes through the queue's walk
@@ -174,5 +183,5 @@ def test_a_request_that_does_not_wait_never_preempts_anything() -> None:
         pass
     else:
         raise AssertionError("4 GiB cannot fit beside 6 GiB on an 8 GiB GPU")
-    _, victims = cluster.dispatch()
-    assert victims == [] and cluster.get(victim.id).preempted_for is None
+    commands, _ = cluster.dispatch()
+    assert commands == [] and cluster.get(victim.id).preempted_for is None

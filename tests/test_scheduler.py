@@ -40,8 +40,17 @@ def test_spread_takes_most_free_and_binpack_least_free_that_fits() -> None:
 
 def test_no_fit_names_the_largest_free_memory() -> None:
     cluster = make_cluster({"a": [10 * GiB, 20 * GiB]})
-    with pytest.raises(NoFit, match=r"largest schedulable free memory on one GPU is 20GiB"):
-        cluster.reserve(spec(21 * GiB))
+    cluster.reserve(spec(15 * GiB))
+    with pytest.raises(NoFit, match=r"largest schedulable free memory on one GPU is 10GiB"):
+        cluster.reserve(spec(11 * GiB))
+
+
+def test_a_request_no_gpu_could_ever_hold_is_never_fits_queue_or_not() -> None:
+    cluster = make_cluster({"a": [10 * GiB, 20 * GiB]})
+    for queue in (False, True):
+        with pytest.raises(NoFit, match="no GPU could ever hold this") as caught:
+            cluster.submit(spec(21 * GiB), queue=queue)
+        assert caught.value.code == "never_fits"
 
 
 def test_no_agents_when_no_node_is_ready() -> None:
@@ -95,7 +104,7 @@ def test_registration_adopts_unknown_running_containers_and_orders_removal_of_fa
         ContainerReport(grant=failed.id, container_id="c2", gpus=["a-g0"], gpu_memory=GiB, state="running"),
     ]
     gpus = [GpuInfo(uuid="a-g0", index=0, name="sim", memory_total=24 * GiB)]
-    removals = cluster.register("a", b"a", "docker", gpus, reports)
+    removals = cluster.register("a", b"a", "docker", gpus, reports)[0]
     assert removals == [failed.id]
     assert cluster.get("adopted").state is State.RUNNING
     assert gpu_view(cluster)["a-g0"]["memory_reserved"] == 4 * GiB

@@ -106,7 +106,7 @@ def test_binpack_ties_go_to_the_fuller_node() -> None:
 def test_a_node_going_down_leaves_the_rankings() -> None:
     cluster = empty_cluster(2, 2)
     assert cluster.reserve(PlacementSpec(memory=U, count=2, placement="spread", image="img", command=[])).node
-    index = cluster._index
+    index = cluster.ledger.index
     for slot in list(index.by_node["n000"]):
         index.discard(slot)
     for _ in range(3):

@@ -128,10 +128,13 @@ def test_stats_all_shows_ended_and_queued_containers(two, test_image, capsys):
 
     status, out, _ = plugin(manager.url, "stats", "--no-stream", "--all", capsys=capsys)
     assert status == 0
+    assert columns(out.splitlines()[0]) == ["CONTAINER ID", "NAME", "STATE", "NODE", "GPU", "GRANT", "USED", "PEAK",
+                                            "%"]  # -a lists ended containers: the STATE tells them from live ones
     rows = rows_of(out)
     assert set(rows) == {"stats-one", "stats-two", "stats-wait"}, out
-    assert rows["stats-two"][6] == "512MiB"  # the peak stays after the end
-    assert rows["stats-wait"][:5] == ["-", "stats-wait", "-", "-", "2×23GiB"]
+    assert rows["stats-one"][2] == "running" and rows["stats-two"][2] == "removed"
+    assert rows["stats-two"][7] == "512MiB"  # the peak stays after the end
+    assert rows["stats-wait"][:6] == ["-", "stats-wait", "queued", "-", "-", "2×23GiB"]
     manager.delete(f"/v1/containers/{waiting['id']}")
 
 

@@ -1,4 +1,4 @@
-"""The wire framing under :mod:`wire.protocol`: one bounded msgpack map ``{v, type, id, reply_to, body}``.
+"""The wire framing under :mod:`wire.protocol`: one bounded msgpack map ``{v, type, id, reply_to, body[, epoch]}``.
 
 Kept free of validation libraries so that short-lived processes (the OCI runtime hook, started for
 every GPU container) can speak the protocol without paying for importing them.
@@ -29,9 +29,17 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
-def pack(kind: str, body: dict[str, Any], *, msg_id: str | None = None, reply_to: str | None = None) -> bytes:
-    """One frame; raises ProtocolError if it is over a bound that :func:`unpack` enforces on the other side."""
-    header = {"v": VERSION, "type": kind, "id": msg_id or new_id(), "reply_to": reply_to, "body": body}
+def pack(kind: str, body: dict[str, Any], *, msg_id: str | None = None, reply_to: str | None = None,
+         epoch: list[int] | None = None) -> bytes:
+    """One frame; raises ProtocolError if it is over a bound that :func:`unpack` enforces on the other side.
+
+    ``epoch`` (a leader's :class:`~gpumgr.wire.epoch.Epoch` in wire form) is added only when given, so a
+    single manager's frames are what they always were and a peer that predates epochs reads them.
+    """
+    header: dict[str, Any] = {"v": VERSION, "type": kind, "id": msg_id or new_id(), "reply_to": reply_to,
+                              "body": body}
+    if epoch is not None:
+        header["epoch"] = epoch
     try:
         frame: bytes = msgpack.packb(header, use_bin_type=True)
     except (OverflowError, TypeError, ValueError) as exc:  # e.g. an integer msgpack cannot carry

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from gpumgr.wire import defaults, protocol
+from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.errors import AgentTimeout, NoAgents, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class _Pending:
     peer: bytes
     deadline: float
     what: str
+    #: the proven key the reply must come from ("" to match by routing id, which a reconnect changes)
+    key: str = ""
 
 
 @dataclass
@@ -60,13 +63,16 @@ class LinkHooks:
 
     ``on_tick`` runs every loop and returns how many seconds may pass before it must run again
     (None: the link's default tick). ``descriptors`` lists plain file descriptors to watch for input
-    as well, and ``on_ready`` gets those that were readable.
+    as well, and ``on_ready`` gets those that were readable. ``screen`` sees every decoded frame
+    first, replies included, and returns an error to drop it (a request waiting for that reply fails
+    with the error at once), or None to let it through.
     """
 
     on_tick: Callable[[], float | None] | None = None
     descriptors: Callable[[], set[int]] | None = None
     on_ready: Callable[[set[int]], None] | None = None
     on_stop: Callable[[], None] | None = None
+    screen: Callable[[protocol.Envelope, protocol.Message], Exception | None] | None = None
 
 
 @dataclass
@@ -80,8 +86,13 @@ class Link:
 
     def __init__(self, kind: int, endpoint: str, handler: Handler, *, bind: bool, configure: Configure,
                  context: zmq.Context[zmq.Socket[bytes]] | None = None, tick: float = defaults.LINK_TICK,
-                 hooks: LinkHooks | None = None, name: str = "link") -> None:
+                 hooks: LinkHooks | None = None, name: str = "link",
+                 epoch: Callable[[], Epoch | None] | None = None) -> None:
         self.kind = kind
+        #: what stamps every frame this link sends (a leader's epoch); None: frames carry no epoch
+        self._epoch = epoch
+        self._retarget: str | None = None
+        self._unreachable_since: float | None = None
         self.endpoint = self.bound_endpoint = endpoint
         self._bind = bind
         self._configure = configure
@@ -126,28 +137,46 @@ class Link:
         """Whether :meth:`stop` was called."""
         return self._stop.is_set()
 
+    def reconnect(self, endpoint: str) -> None:
+        """Point a connecting link at ``endpoint`` instead (done by the owner thread before it next sends)."""
+        self._retarget = endpoint
+        self._poke()
+
+    def unreachable_for(self) -> float:
+        """Seconds since frames last failed to leave, counted from the first failure; 0 while they leave."""
+        since = self._unreachable_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def _stamp(self) -> Epoch | None:
+        return None if self._epoch is None else self._epoch()
+
     def send(self, peer: bytes, message: protocol.Message, *, reply_to: str | None = None) -> None:
         """Queue ``message`` for ``peer`` (a routing id; ``b""`` on a DEALER); never blocks."""
-        self.send_frame(peer, protocol.encode(message, reply_to=reply_to))
+        self.send_frame(peer, protocol.encode(message, reply_to=reply_to, epoch=self._stamp()))
 
     def send_frame(self, peer: bytes, frame: bytes, msg_id: str | None = None) -> None:
         """Queue an already encoded frame for ``peer``; never blocks. ``msg_id`` names a request waiting on it."""
         self._outbox.put((peer, frame, msg_id))
         self._poke()
 
-    def request_async(self, peer: bytes, message: protocol.Message, timeout: float) -> Future[protocol.Reply]:
-        """Send ``message``; the future gets its reply, or AgentTimeout after ``timeout`` seconds."""
+    def request_async(self, peer: bytes, message: protocol.Message, timeout: float, *,
+                      key: str = "") -> Future[protocol.Reply]:
+        """Send ``message``; the future gets its reply, or AgentTimeout after ``timeout`` seconds.
+
+        With ``key`` the reply is taken from whichever connection that proven key answers on, so a
+        peer whose socket reconnected (a new routing id) still answers what it was asked.
+        """
         msg_id = protocol.new_id()
         future: Future[protocol.Reply] = Future()
         with self._pending_lock:
-            self._pending[msg_id] = _Pending(future, peer, time.monotonic() + timeout, message.TYPE)
-        self.send_frame(peer, protocol.encode(message, msg_id=msg_id), msg_id)
+            self._pending[msg_id] = _Pending(future, peer, time.monotonic() + timeout, message.TYPE, key)
+        self.send_frame(peer, protocol.encode(message, msg_id=msg_id, epoch=self._stamp()), msg_id)
         return future
 
-    def fail_peer(self, peer: bytes, error: Exception) -> int:
-        """Fail every request waiting on ``peer`` at once (its process is gone); return how many."""
+    def fail_peer(self, peer: bytes, error: Exception, key: str = "") -> int:
+        """Fail every request waiting on ``peer`` (or on proven ``key``) at once (its process is gone)."""
         with self._pending_lock:
-            gone = [k for k, p in self._pending.items() if p.peer == peer]
+            gone = [k for k, p in self._pending.items() if (p.key == key if key else p.peer == peer)]
             failed = [self._pending.pop(k) for k in gone]
         for pending in failed:
             if not pending.future.done():
@@ -201,6 +230,7 @@ class Link:
             if more:  # frames are still waiting: come straight back once what is queued has left
                 wait = 0.0
             self._expire()
+            self._move(sock)
             self._flush(sock)
 
     def _run_tick(self) -> float:
@@ -254,6 +284,15 @@ class Link:
                 self._wake.socket.close(linger=0)
                 self._wake.socket = None
 
+    def _move(self, sock: zmq.Socket[bytes]) -> None:
+        target, self._retarget = self._retarget, None
+        if target is None or target == self.endpoint or self._bind:
+            return
+        with contextlib.suppress(zmq.ZMQError):  # never connected there: nothing to undo
+            sock.disconnect(self.endpoint)
+        sock.connect(target)
+        self.endpoint, self._unreachable_since = target, None
+
     def _flush(self, sock: zmq.Socket[bytes]) -> None:
         while True:
             try:
@@ -263,8 +302,11 @@ class Link:
             parts = [peer, frame] if self.kind == zmq.ROUTER else [frame]
             try:
                 sock.send_multipart(parts, zmq.NOBLOCK)
+                self._unreachable_since = None
             except zmq.ZMQError as exc:
                 log.debug("cannot reach peer %r now (%s); one message dropped", peer, exc)
+                if self._unreachable_since is None:
+                    self._unreachable_since = time.monotonic()
                 if msg_id is not None:
                     self._fail(msg_id, NoAgents(f"the agent is not connected now ({exc.strerror}); try again"))
 
@@ -300,6 +342,11 @@ class Link:
         except ProtocolError as exc:
             log.warning("dropped a malformed message from %r: %s", peer.routing_id, exc)
             return
+        refused = self._hooks.screen(envelope, message) if self._hooks.screen is not None else None
+        if refused is not None:
+            if isinstance(message, protocol.Reply) and envelope.reply_to:
+                self._fail(envelope.reply_to, refused)
+            return
         if isinstance(message, protocol.Reply) and self._resolve(peer, envelope, message):
             return
         try:
@@ -311,7 +358,7 @@ class Link:
         """Hand ``reply`` to the request waiting for it; False if none is (the handler then sees it)."""
         with self._pending_lock:
             pending = self._pending.get(envelope.reply_to or "")
-            if pending is None or (self.kind == zmq.ROUTER and pending.peer != peer.routing_id):
+            if pending is None or (self.kind == zmq.ROUTER and not _same_sender(pending, peer)):
                 return False
             del self._pending[envelope.reply_to or ""]
         if not pending.future.done():
@@ -326,6 +373,11 @@ class Link:
         for pending in expired:
             if not pending.future.done():
                 pending.future.set_exception(AgentTimeout(f"the peer did not answer {pending.what} in time"))
+
+
+def _same_sender(pending: _Pending, peer: Peer) -> bool:
+    """Whether ``peer`` may answer ``pending``: its proven key when one was named, else its routing id."""
+    return pending.key == peer.key if pending.key else pending.peer == peer.routing_id
 
 
 def _key_of(frame: zmq.Frame) -> str:

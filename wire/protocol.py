@@ -1,19 +1,21 @@
 """The manager ⇄ agent wire protocol: typed messages in one msgpack envelope.
 
-Every frame is ``{v, type, id, reply_to, body}`` packed with msgpack (never pickle) and bounded in
-size. ``type`` names one of the message classes below; ``body`` is validated against it, so a
-malformed, unknown or oversized frame raises :class:`~wire.errors.ProtocolError` and nothing else.
+Every frame is ``{v, type, id, reply_to, body}`` (and ``epoch`` from a leader of several managers), packed
+with msgpack (never pickle) and bounded in size. ``type`` names one of the message classes below;
+``body`` is validated against it, so a malformed, unknown or oversized frame raises
+:class:`~wire.errors.ProtocolError` and nothing else.
 Requests that expect an answer get a :class:`Reply` whose ``reply_to`` is the request's ``id``.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpumgr.wire import defaults, envelope
 from gpumgr.wire.envelope import VERSION, new_id
+from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.errors import ProtocolError
 
 __all__ = ["VERSION", "ProtocolError", "decode", "encode", "new_id"]
@@ -64,6 +66,8 @@ class ContainerStatus(_Model):
     finished_at: float | None = None
     #: the highest usage (summed over its GPUs) its agent ever sampled
     peak: int = Field(default=0, ge=0)
+    #: the grant (bytes per GPU) its agent enforces now; 0 from an agent that does not say
+    gpu_memory: int = Field(default=0, ge=0)
 
 
 class ContainerReport(ContainerStatus):
@@ -144,6 +148,8 @@ class Register(Message):
     gpus: list[GpuInfo]
     containers: list[ContainerReport] = Field(default_factory=list, max_length=defaults.MAX_CONTAINERS_PER_NODE)
     refused: list[RefusedAdoption] = Field(default_factory=list, max_length=defaults.MAX_CONTAINERS_PER_NODE)
+    #: drawn once per agent process: a registration with another one is a restart, not a reconnect
+    instance: str = Field(default="", max_length=64)
 
 
 class Registered(Message):
@@ -225,6 +231,9 @@ class Reserve(Message):
     preemptible: bool = False
     #: wait in the manager's queue for room (the task's container waits in its create) instead of failing
     queue: bool = False
+    #: the tenant a plain ``docker run``'s hook request counts against (the agent's ``hook_tenant``); a
+    #: Swarm task's is empty: it acts as the operator
+    tenant: str = Field(default="", max_length=128)
 
 
 class ErrorBody(_Model):
@@ -243,6 +252,10 @@ class Reply(Message):
     error: ErrorBody | None = None
 
 
+#: one half of an epoch on the wire: a strict non-negative 64-bit integer (never a string or a bool)
+_EpochPart = Annotated[int, Field(strict=True, ge=0, lt=2**63)]
+
+
 class Envelope(_Model):
     """One frame on the wire."""
 
@@ -251,11 +264,18 @@ class Envelope(_Model):
     id: str = Field(min_length=1, max_length=64)
     reply_to: str | None = Field(default=None, max_length=64)
     body: dict[str, Any]
+    #: the sending leader's epoch ``[generation, revision]`` (several managers on etcd); absent from one manager
+    epoch: tuple[_EpochPart, _EpochPart] | None = None
 
 
-def encode(message: Message, *, msg_id: str | None = None, reply_to: str | None = None) -> bytes:
-    """Pack ``message`` into one frame. Raises ProtocolError if the frame would be over the size bound."""
-    return envelope.pack(message.TYPE, message.model_dump(mode="python"), msg_id=msg_id, reply_to=reply_to)
+def encode(message: Message, *, msg_id: str | None = None, reply_to: str | None = None,
+           epoch: Epoch | None = None) -> bytes:
+    """Pack ``message`` into one frame, stamped with ``epoch`` when given.
+
+    Raises ProtocolError if the frame would be over the size bound.
+    """
+    return envelope.pack(message.TYPE, message.model_dump(mode="python"), msg_id=msg_id, reply_to=reply_to,
+                         epoch=None if epoch is None else epoch.to_wire())
 
 
 def decode(frame: bytes) -> tuple[Envelope, Message]:

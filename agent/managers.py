@@ -1,0 +1,91 @@
+"""Which manager an agent talks to when it was given several: the leader, as far as it can tell.
+
+``--manager tcp://m1:9401,tcp://m2:9401,tcp://m3:9401`` names every manager of one control plane; they
+share one CURVE key pair, so the agent's join token and trust cover all of them. The agent keeps one
+connection, to the manager it believes leads, and moves to the next address in the ring when that
+one stops answering (its join or registration goes unanswered, or frames to it cannot leave for
+:data:`SILENT_AFTER` seconds: a killed manager drops the connection at once, and a paused one is found
+by ZeroMQ's own heartbeats) or refuses it with ``not_leader``. Commands from any manager are still
+fenced by epoch (:mod:`gpumgr.agent.fence`), so following a stale address for a moment is harmless.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from urllib.parse import urlsplit
+
+from gpumgr.wire import defaults
+
+log = logging.getLogger(__name__)
+
+#: Frames that cannot reach the manager this long mean it is gone: try the next one.
+SILENT_AFTER = defaults.NODE_DOWN_AFTER
+#: Registrations sent to one manager without an answer before the next is tried.
+UNANSWERED_TRIES = 4
+#: The code a manager that does not lead refuses registration with.
+NOT_LEADER = "not_leader"
+
+
+def parse_managers(text: str) -> list[str]:
+    """``tcp://host:port[,tcp://host:port...]`` as a list; raises ValueError naming the bad address."""
+    endpoints: list[str] = []
+    for item in (part.strip() for part in text.split(",")):
+        if item.startswith("ipc://") and len(item) > len("ipc://"):  # a socket file on this host
+            endpoints.append(item)
+            continue
+        parts = urlsplit(item)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme != "tcp" or not parts.hostname or port is None or parts.path or parts.query:
+            raise ValueError(f"manager address {item!r} is not tcp://HOST:PORT or ipc://PATH "
+                             "(several: comma-separated)")
+        if item not in endpoints:
+            endpoints.append(item)
+    return endpoints
+
+
+class ManagerSet:
+    """A ring of manager addresses with the current one first; thread-safe."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        if not endpoints:
+            raise ValueError("an agent needs at least one manager address")
+        self.endpoints = list(endpoints)
+        self._index = 0
+        self._unanswered = 0
+        self._lock = threading.Lock()
+
+    @property
+    def several(self) -> bool:
+        """Whether there is anyone to move to."""
+        return len(self.endpoints) > 1
+
+    @property
+    def current(self) -> str:
+        """The address the agent talks to now."""
+        with self._lock:
+            return self.endpoints[self._index]
+
+    def advance(self, why: str) -> str:
+        """Move to the next address in the ring (logging ``why``) and return it."""
+        with self._lock:
+            old = self.endpoints[self._index]
+            self._index = (self._index + 1) % len(self.endpoints)
+            self._unanswered = 0
+            new = self.endpoints[self._index]
+        log.warning("leaving the manager at %s (%s): trying %s", old, why, new)
+        return new
+
+    def unanswered(self) -> bool:
+        """Count one registration sent without an answer; True when it is time to try the next manager."""
+        with self._lock:
+            self._unanswered += 1
+            return len(self.endpoints) > 1 and self._unanswered >= UNANSWERED_TRIES
+
+    def answered(self) -> None:
+        """The current manager answered: it is the one to stay with."""
+        with self._lock:
+            self._unanswered = 0

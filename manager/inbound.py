@@ -1,0 +1,212 @@
+"""What agents send the manager, routed on the link's thread: joins, registrations, heartbeats, events, hooks.
+
+Nothing reaches the model unless the sender's proven key is bound to the node the message speaks
+for. Each handler is quick: it updates the model and sends what the model says to send.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from gpumgr.manager.hook_policy import hook_tenant  # issue 22
+from gpumgr.manager.records import Container, PlacementSpec
+from gpumgr.wire import defaults, protocol
+from gpumgr.wire.errors import AgentFailed, GpumgrError, NotFound
+from gpumgr.wire.link import Peer
+from gpumgr.wire.names import LIVE, EventType, State
+
+if TYPE_CHECKING:
+    from gpumgr.manager.service import Manager
+
+log = logging.getLogger(__name__)
+
+
+class Inbound:
+    """The manager's handler for the agent link (called on the link's owner thread)."""
+
+    def __init__(self, manager: Manager) -> None:
+        self.manager = manager
+        self.cluster = manager.cluster
+        #: queued hook requests (Swarm tasks waiting in their create): grant id → where the answer goes
+        self._hook_waiters: dict[str, tuple[str, str]] = {}
+        self._waiters_lock = threading.Lock()
+
+    @property
+    def link(self):  # type: ignore[no-untyped-def]
+        return self.manager.link
+
+    def on_message(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Message) -> None:
+        """Route one message from an agent; nothing reaches the map unless the sender's key speaks for its node."""
+        if isinstance(message, protocol.Join):
+            self._join(peer, envelope, message)
+            return
+        node = self._speaker(peer, envelope, message)
+        if node is None:
+            return
+        if isinstance(message, protocol.Heartbeat):
+            answer = self.cluster.heartbeat(node, peer.routing_id, message.gpus, message.containers)
+            if answer is None:
+                self.link.send(peer.routing_id, protocol.Reregister())
+                return
+            self._remove_orphans(peer.routing_id, answer[0])
+            self.manager.send(answer[1])
+        elif isinstance(message, protocol.Register):
+            self._register(peer, envelope, message)
+        elif isinstance(message, protocol.ContainerEvent):
+            self._on_container_event(node, message)
+        elif isinstance(message, protocol.Reserve):
+            message.node = node
+            reply = self._reserve(message, envelope.id)
+            if reply is not None:
+                self.link.send(peer.routing_id, reply, reply_to=envelope.id)
+        else:
+            log.warning("dropped an unexpected %s message from node %s", envelope.type, node)
+
+    def _speaker(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Message) -> str | None:
+        """The node ``peer``'s key is bound to, if the message speaks only for it; else None (dropped, logged)."""
+        node = self.manager.admission.node_of(peer.key)
+        if node is None:
+            log.warning("dropped %s from key %s, which was never admitted (an agent joins with a token first)",
+                        envelope.type, peer.key[:8] or "(none)")
+            return None
+        claimed = getattr(message, "node", "") or node
+        if claimed != node:
+            log.warning("dropped %s from node %s's key: it speaks for node %s", envelope.type, node, claimed)
+            return None
+        return node
+
+    def _join(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Join) -> None:
+        """Admit the sender; answered once its binding is stored, which a writer thread does for many at once."""
+
+        def settled(exc: GpumgrError | None) -> None:
+            if exc is not None:
+                log.warning("refused an agent joining as node %s: %s", message.node, exc.message)
+                reply = protocol.Reply(ok=False, error=protocol.ErrorBody(code=exc.code, message=exc.message))
+            else:
+                reply = protocol.Reply(ok=True, result={"node": message.node})
+            self.link.send(peer.routing_id, reply, reply_to=envelope.id)
+
+        self.manager.admission.admit_later(peer.key, message.node, message.proof, settled)
+
+    def _register(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Register) -> None:
+        try:
+            orphans, commands, restarted = self.cluster.register(
+                message.node, peer.routing_id, message.runtime, message.gpus, message.containers, key=peer.key,
+                instance=message.instance)
+        except GpumgrError as exc:
+            log.warning("refused the registration of node %s: %s", message.node, exc.message)
+            self.link.send(peer.routing_id, protocol.Refused(code=exc.code, message=exc.message), reply_to=envelope.id)
+            return
+        if restarted:  # a new agent process: the old one answers nothing it was asked
+            self.link.fail_peer(b"", AgentFailed(f"the agent of node {message.node} restarted before answering"),
+                                key=peer.key)
+        self.cluster.refuse_adoptions(message.node, message.refused)
+        interval = self.manager.settings.heartbeat_interval
+        self.link.send(peer.routing_id, protocol.Registered(heartbeat_interval=interval), reply_to=envelope.id)
+        self._remove_orphans(peer.routing_id, orphans)
+        self.manager.send(commands)
+        log.info("node %s registered with %d GPUs", message.node, len(message.gpus))
+
+    def _on_container_event(self, node: str, event: protocol.ContainerEvent) -> None:
+        report = event.container
+        try:
+            record = self.cluster.get(report.grant)
+        except GpumgrError:
+            log.info("event for unknown grant %s on %s; its heartbeat will adopt it", report.grant, node)
+            return
+        if record.node != node:
+            log.warning("dropped an event from node %s about grant %s of node %s", node, record.id, record.node)
+            return
+        self.cluster.note_peak(record.id, report)
+        overrun = event.detail.get("overrun")
+        if isinstance(overrun, dict):
+            self.cluster.overrun(record.id, overrun)
+        elif report.state == State.RUNNING and record.state is State.CREATING:
+            self.cluster.started(record.id, report)
+            self.manager.send(self.cluster.follow_ups(record.id))
+        elif report.state in (State.EXITED, State.KILLED):
+            state = State.KILLED if report.state == State.KILLED else State.EXITED
+            # the overrun that killed it is on record already, under "overrun": do not repeat its keys at the top
+            detail = {} if "overrun" in record.detail else event.detail
+            self.cluster.finish(record.id, state, reason=report.reason, exit_code=report.exit_code,
+                                detail=detail, finished_at=report.finished_at)
+
+    def _reserve(self, request: protocol.Reserve, reply_to: str) -> protocol.Reply | None:
+        """Grant memory on the asking node for a container its runtime hook is creating (a Swarm task).
+
+        With ``queue`` a request that does not fit waits in the queue, and the answer (None here) is
+        sent when it is placed, or when it expires just before the hook would give up.
+        """
+        record = self.cluster.live_grant_of(request.node, request.container_id)
+        waiting = self.cluster.queued_for(request.node, request.container_id) if request.queue else None
+        if waiting is not None:  # asked again while it waits: the newest question gets the answer
+            with self._waiters_lock:
+                self._hook_waiters[waiting.id] = (request.node, reply_to)
+            return None
+        if record is None:
+            settings = self.manager.settings
+            spec = PlacementSpec(
+                memory=request.gpu_memory, count=request.gpus, placement=settings.placement,
+                image=request.image or None, command=[], name=request.name or None, labels=request.labels,
+                node=request.node, on_overrun=request.on_overrun or settings.on_overrun,
+                container_id=request.container_id, hook=True, priority=request.priority,
+                preemptible=request.preemptible,
+            )
+            try:
+                record, _ = self.cluster.submit(spec, queue=request.queue, queue_timeout=defaults.HOOK_QUEUE_TIMEOUT
+                                                if request.queue else None,
+                                                tenant=hook_tenant(self.manager.tenants, request))  # issue 22
+                if record.state is State.QUEUED:
+                    with self._waiters_lock:
+                        self._hook_waiters[record.id] = (request.node, reply_to)
+                    place = self.cluster.view(record)["queue"] or {}
+                    self.manager.events.record(EventType.QUEUED, f"task {request.name or request.container_id[:12]}"
+                                               f" is pending: queued at position {place.get('position')}",
+                                               node=request.node, container=record.id, **request.labels)
+                    return None
+            except GpumgrError as exc:
+                self.manager.events.record(EventType.FAILED, f"task {request.name or request.container_id[:12]} "
+                                           f"waits: {exc.message}", node=request.node, container=None,
+                                           **request.labels)
+                return protocol.Reply(ok=False, error=protocol.ErrorBody(**exc.to_dict()))
+        return self.grant_reply(record)
+
+    # --- hook answers --------------------------------------------------------------------------
+    def answer_hook(self, grant: str, reply: protocol.Reply) -> None:
+        """Answer the node whose runtime hook waits for queued ``grant``."""
+        with self._waiters_lock:
+            waiter = self._hook_waiters.pop(grant, None)
+        if waiter is not None:
+            node, reply_to = waiter
+            routing_id = self.cluster.routing_id_of(node)
+            if routing_id is not None:
+                self.link.send(routing_id, reply, reply_to=reply_to)
+
+    def settle_hook_waiters(self) -> None:
+        """Tell the hooks whose queued requests ended unplaced (expired, withdrawn) why."""
+        with self._waiters_lock:
+            waiting = list(self._hook_waiters)
+        for grant in waiting:
+            try:
+                record: Container | None = self.cluster.get(grant)
+            except NotFound:
+                record = None
+            if record is None or record.state not in (State.QUEUED, *LIVE):
+                reason = record.reason if record is not None else "its queued request was forgotten"
+                code = str(record.state) if record is not None else "not_found"
+                self.answer_hook(grant, protocol.Reply(ok=False, error=protocol.ErrorBody(
+                    code=code, message=f"gpumgr: the task waited in the queue and left it unplaced: {reason}")))
+
+    @staticmethod
+    def grant_reply(record: Container) -> protocol.Reply:
+        """What a runtime hook is told of its grant."""
+        return protocol.Reply(ok=True, result={"grant": record.id, "gpus": record.gpus, "gpu_memory": record.gpu_memory,
+                                               "on_overrun": record.on_overrun, "priority": record.priority,
+                                               "preemptible": record.preemptible})
+
+    def _remove_orphans(self, routing_id: bytes, grants: list[str]) -> None:
+        for grant in grants:
+            log.info("removing orphaned container of grant %s", grant)
+            self.link.send(routing_id, protocol.Remove(grant=grant))

@@ -1,0 +1,249 @@
+"""A container's life, written once: the transition table and the one function that applies it.
+
+As in SwarmKit's task model, each record has an *observed* state, moved only by its node's reports
+and the manager's own deadlines, and a *desired* state (run, removed, preempted), set only by the
+API and the manager's policy (preemption). Observed states only move forward, through
+:data:`TRANSITIONS`; :meth:`Lifecycle.move` checks the table and, in the same step, moves the grant
+(ledger), the tenant's counts (quotas), the queue and the journal, ends the operation in flight, and
+writes the one event. An operation (create, remove, resize) has an id; at most one is in flight per
+record, and a reply for another is ignored. A DELETE that arrives during one only sets the desired
+state; the reconciler carries it out when the operation ends.
+
+::
+
+    queued ──▶ creating ──▶ running ──▶ exited | killed | failed | removed | preempted
+      │            │
+      └─▶ removed | expired | failed     └─▶ failed | removed | exited | killed | preempted
+
+An ended record may still become ``removed`` (DELETE after it ended: its container is gone too).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+from sortedcontainers import SortedList
+
+from gpumgr.manager.clock import SYSTEM, Clock
+from gpumgr.manager.events import EventLog
+from gpumgr.manager.ledger import Ledger
+from gpumgr.manager.queue import QueueJournal, WaitQueue
+from gpumgr.manager.quotas import Quotas
+from gpumgr.manager.records import Container, Op, OpKind
+from gpumgr.wire.errors import Conflict, GpumgrError
+from gpumgr.wire.names import LIVE, EventType, State
+from gpumgr.wire.units import format_bytes
+
+log = logging.getLogger(__name__)
+
+ENDED = frozenset({State.EXITED, State.KILLED, State.FAILED, State.REMOVED, State.EXPIRED, State.PREEMPTED})
+#: Every move an observed state may make; anything else is refused (and logged).
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.QUEUED: frozenset({State.CREATING, State.REMOVED, State.EXPIRED, State.FAILED}),
+    State.CREATING: frozenset({State.RUNNING, State.EXITED, State.KILLED, State.FAILED, State.REMOVED,
+                               State.PREEMPTED}),
+    State.RUNNING: frozenset({State.EXITED, State.KILLED, State.FAILED, State.REMOVED, State.PREEMPTED}),
+    **{s: frozenset({State.REMOVED}) for s in ENDED if s is not State.REMOVED},
+    State.REMOVED: frozenset(),
+}
+#: What the desired state may be: run it, remove it, or stop it to make room (preempt).
+DESIRED = frozenset({State.RUNNING, State.REMOVED, State.PREEMPTED})
+#: Ends that a desired preemption turns into ``preempted``: whatever exit the stop caused.
+_PREEMPTION_ENDS = frozenset({State.EXITED, State.KILLED, State.REMOVED, State.PREEMPTED})
+_FINAL_EVENTS = {State.KILLED: EventType.KILLED, State.FAILED: EventType.FAILED, State.REMOVED: EventType.REMOVED,
+                 State.EXPIRED: EventType.EXPIRED, State.PREEMPTED: EventType.PREEMPTED}
+
+
+class Lifecycle:
+    """The transition table applied: the only code that changes a record's state or desired state."""
+
+    def __init__(self, ledger: Ledger, quotas: Quotas, events: EventLog, queue: WaitQueue, journal: QueueJournal,
+                 clock: Clock = SYSTEM) -> None:
+        self.ledger, self.quotas, self.events, self.queue, self.journal = ledger, quotas, events, queue, journal
+        self.clock = clock
+        self._op_ids = itertools.count(1)
+        #: queued records that wait on disk too (a hook's wait lives in its node's open request instead)
+        self.journaled: set[str] = set()
+        #: (expires at, monotonic; id) of queued records with a queue_timeout
+        self.expiries: SortedList = SortedList()
+        #: what ``GET /metrics`` counts: kills for overrun per node, placement requests per outcome
+        self.overrun_kills: dict[str, int] = {}
+        self.outcomes: dict[str, int] = {}
+
+    # --- entering ------------------------------------------------------------------------------
+    def admit(self, record: Container, *, journal: bool = False) -> None:
+        """A new record joins the map: ``queued`` (it waits in line) or ``creating`` (already assigned GPUs)."""
+        self.ledger.records[record.id] = record
+        if record.state is State.QUEUED:
+            self._enqueue(record, journal)
+        else:
+            self.quotas.count(record, 1)
+            self.ledger.grant(record)
+
+    def admit_ended(self, record: Container, state: State, reason: str | None, *, exit_code: int | None = None,
+                    finished_at: float | None = None) -> None:
+        """A record that ended where no manager saw it (adopted after the fact, or refused) joins the map ended."""
+        assert state in ENDED
+        record.state, record.exit_code, record.held = state, exit_code, 0
+        record.reason = reason or _default_reason(state, exit_code)
+        record.finished_at = finished_at or self.clock.time()
+        self.ledger.records[record.id] = record
+        self.ledger.ended(record)
+        self._final_event(record)
+
+    def forget(self, record: Container) -> None:
+        """Drop a queued record that was in line only for its own placement attempt and is refused."""
+        self._leave_queue(record)
+        self.quotas.count(record, -1)
+        del self.ledger.records[record.id]
+
+    def journal_entry(self, record: Container) -> dict[str, Any]:
+        """What the queue journal keeps of a queued record (enough to queue it again after a restart)."""
+        from dataclasses import asdict
+        wall = self.clock.time() - self.clock.monotonic()
+        return {"id": record.id, "name": record.name, "tenant": record.tenant, "priority": record.priority,
+                "preemptible": record.preemptible, "created_at": record.created_at, "queued_at": record.queued_at,
+                "seq": record.queue_seq, "expires_at": None if record.expires_mono is None
+                else record.expires_mono + wall, "spec": asdict(record.spec)}
+
+    # --- the one transition function -----------------------------------------------------------
+    def move(self, record: Container, to: State, reason: str | None = None, *, exit_code: int | None = None,
+             detail: dict[str, Any] | None = None, finished_at: float | None = None,
+             error: GpumgrError | None = None) -> bool:
+        """Move ``record``'s observed state to ``to`` if the table allows it; False (nothing changed) if not.
+
+        Placing (``queued`` → ``creating``) grants the GPUs already assigned to it; ending releases the
+        grant, ends the operation in flight (with ``error`` for whoever waits on it) and writes the one
+        final event. A record whose desired state is ``preempted`` ends as ``preempted`` however it stops.
+        """
+        now_from = record.state
+        if to is now_from:
+            return False
+        if to not in TRANSITIONS[now_from]:
+            log.info("record %s: %s → %s is not a transition; ignored", record.id, now_from, to)
+            return False
+        detail = dict(detail or {})
+        if now_from is State.QUEUED:
+            self._leave_queue(record)
+            self.quotas.count(record, -1)
+            if to is State.CREATING:
+                record.state = State.CREATING
+                self.quotas.count(record, 1)
+                self.ledger.grant(record)
+                return True
+        if to is State.RUNNING:
+            record.state, record.deadline = State.RUNNING, None
+            self.event(EventType.STARTED, f"container {(record.container_id or '')[:12]} running", record)
+            return True
+        if now_from in ENDED:  # deleted after it ended: the end stays as it was recorded
+            record.state = State.REMOVED
+            self.event(EventType.REMOVED, "removed", record)
+            return True
+        if now_from in LIVE:
+            self.ledger.release(record)
+            self.quotas.count(record, -1)
+        if record.desired is State.PREEMPTED and to in _PREEMPTION_ENDS:
+            to = State.PREEMPTED
+            reason = f"preempted to make room for queued request {record.preempted_for} of higher priority"
+        record.state, record.deadline = to, None
+        if to is State.KILLED and ("overrun" in record.detail or "overrun" in detail):
+            self.overrun_kills[record.node] = self.overrun_kills.get(record.node, 0) + 1
+        record.exit_code = exit_code if exit_code is not None else record.exit_code
+        record.reason = reason or record.desired_reason or record.reason or _default_reason(to, record.exit_code)
+        record.detail.update(detail)
+        record.finished_at = finished_at or record.finished_at or self.clock.time()
+        if record.op is not None:
+            self.end_op(record, record.op, error or Conflict(f"container {record.id} ended: {record.reason}"))
+        self.ledger.ended(record)
+        self._final_event(record)
+        return True
+
+    def desire(self, record: Container, desired: State, reason: str | None = None, **detail: Any) -> bool:
+        """Set what should become of ``record`` (the API or policy); False if it is ended or already so."""
+        assert desired in DESIRED
+        if record.state in ENDED or record.desired is desired:
+            return False
+        record.desired, record.desired_reason = desired, reason
+        if desired is State.PREEMPTED:
+            record.detail.update(detail)
+        elif desired is State.RUNNING:
+            record.detail.pop("preempted_for", None)
+        return True
+
+    # --- operations ----------------------------------------------------------------------------
+    def begin(self, record: Container, kind: OpKind, timeout: float, *, old: int = 0, new: int = 0) -> Op | None:
+        """Start an operation on ``record``; None if one is in flight already (at most one at a time)."""
+        if record.op is not None:
+            return None
+        record.op = Op(kind, next(self._op_ids), self.clock.monotonic() + timeout, old, new)
+        return record.op
+
+    def current(self, record: Container, op: Op) -> bool:
+        """Whether ``op`` is still the operation in flight on ``record`` (its reply is not stale)."""
+        return record.op is op
+
+    def end_op(self, record: Container, op: Op, error: GpumgrError | None = None) -> None:
+        """``op`` is over (with ``error`` if it failed): wake whoever waits on it."""
+        if record.op is op:
+            record.op = None
+        if not op.done.is_set():
+            op.error = error
+            op.done.set()
+
+    # --- events --------------------------------------------------------------------------------
+    def event(self, kind: EventType, text: str, record: Container, /, **extra: Any) -> None:
+        """An event about ``record``, tagged with its tenant (a tenant reads only its own events)."""
+        self.events.record(kind, text, node=record.node or None, container=record.id, tenant=record.tenant,
+                           **extra)
+
+    def outcome(self, outcome: str) -> None:
+        """Count one placement request's outcome for ``/metrics``."""
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    def _final_event(self, record: Container) -> None:
+        kind = _FINAL_EVENTS.get(record.state, EventType.EXITED)
+        text = f"{record.state}: {record.reason}"
+        text += f" (exit {record.exit_code})" if record.exit_code is not None else ""
+        # the final event carries the overrun that ended it flat (reason, observed, grant_bytes, gpu, ...)
+        overrun = record.detail.get("overrun")
+        flat = {**{k: v for k, v in record.detail.items() if k != "overrun"},
+                **(overrun if isinstance(overrun, dict) else {})}
+        self.event(kind, text, record, final=True, **{k: v for k, v in flat.items() if k not in ("tenant", "final")})
+
+    # --- the queue -----------------------------------------------------------------------------
+    def _enqueue(self, record: Container, journal: bool) -> None:
+        now = self.clock.monotonic()
+        record.queued_mono = now if record.queued_mono is None else record.queued_mono
+        record.queue_seq = self.queue.add(record.id, record.priority, record.queued_mono, record.queue_seq or None)
+        if record.expires_mono is not None:
+            self.expiries.add((record.expires_mono, record.id))
+        self.quotas.count(record, 1)
+        if journal:
+            self.journaled.add(record.id)
+            self.journal.add(self.journal_entry(record))
+        self.ledger.wake.set()
+
+    def _leave_queue(self, record: Container) -> None:
+        self.queue.discard(record.id)
+        if record.expires_mono is not None:
+            self.expiries.discard((record.expires_mono, record.id))
+        if record.id in self.journaled:
+            self.journaled.discard(record.id)
+            self.journal.remove(record.id)
+        self.ledger.wake.set()  # the requests behind it may go now
+
+    def why_waiting(self, memory: int, count: int, ahead: int) -> str:
+        """Why a request of ``count`` × ``memory`` waits with ``ahead`` requests in front of it."""
+        if ahead:
+            return f"{ahead} queued request(s) of higher or equal priority wait for room first"
+        largest = self.ledger.index.largest_free()
+        return (f"no ready GPU has {format_bytes(memory)} free" + (f" on {count} GPUs of one node"
+                if count > 1 else "") + f" (the most free on one GPU is {format_bytes(largest)})")
+
+
+def _default_reason(state: State, exit_code: int | None) -> str:
+    if state is State.EXITED:
+        return f"exited with code {exit_code}" if exit_code is not None else "exited"
+    return str(state)

@@ -1,0 +1,162 @@
+"""The store in etcd, shared by several managers; every write is fenced by the leader's epoch.
+
+Keys, under a prefix (``/gpumgr/`` by default) so several clusters can share one etcd:
+
+- ``nodes/<name>``: the agent's public key bound to that node name;
+- ``join_secret``: the join secret (JSON ``{"secret"}``);
+- ``queue/<id>``: one queued request (JSON); the queue's order is the keys' create revisions, which
+  etcd hands out in the order the writes committed;
+- ``event_ids``: the highest event id reserved (JSON ``{"ceiling"}``);
+- ``generation`` and ``leader``: written by :mod:`gpumgr.manager.leadership`.
+
+Every write runs as one transaction whose compares are the caller's *guard* (the leader key still
+has the create revision of this manager's epoch, in this store's generation); when they fail the
+write did nothing, :class:`~gpumgr.manager.store.Fenced` is raised and ``on_fenced`` is told, so a
+leader that was deposed while paused or cut off changes nothing and steps down. The first creation
+of the join secret is the one unguarded write: it only ever creates the key (a compare on its absence),
+so any manager can print a token before a leader exists, and racing creators end with one secret.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from gpumgr.manager import etcdv3
+from gpumgr.manager.etcdv3 import EtcdClient
+from gpumgr.manager.store import Fenced, Store
+from gpumgr.wire import security
+
+log = logging.getLogger(__name__)
+DEFAULT_PREFIX = "/gpumgr/"
+#: A guard: the compares every write must pass (raises Fenced when this manager holds no epoch).
+Guard = Callable[[], list[dict[str, Any]]]
+
+
+def _dump(data: dict[str, Any]) -> bytes:
+    return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _load(raw: bytes, where: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"etcd key {where.decode(errors='replace')} does not hold JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"etcd key {where.decode(errors='replace')} does not hold a JSON object")
+    return data
+
+
+class EtcdStore(Store):
+    """The store under ``prefix`` in the etcd that ``client`` reaches, written only while ``guard`` holds."""
+
+    kind = "etcd"
+
+    def __init__(self, client: EtcdClient, guard: Guard, *, prefix: str = DEFAULT_PREFIX,
+                 on_fenced: Callable[[], None] | None = None) -> None:
+        self.client = client
+        self.prefix = prefix.encode() if prefix.endswith("/") else (prefix + "/").encode()
+        self._guard = guard
+        self._on_fenced = on_fenced
+
+    def key(self, *parts: str) -> bytes:
+        """The full etcd key of ``parts`` under this store's prefix."""
+        return self.prefix + "/".join(parts).encode()
+
+    # --- node bindings -------------------------------------------------------------------------
+    def nodes(self) -> dict[str, str]:
+        """Every ``nodes/<name>`` key."""
+        start = len(self.key("nodes", ""))
+        return {kv.key[start:].decode(errors="replace"): kv.value.decode(errors="replace")
+                for kv in self.client.get_prefix(self.key("nodes", ""))}
+
+    def bind(self, node: str, key: str) -> None:
+        """Write ``nodes/<node>``, fenced."""
+        self.write([etcdv3.put(self.key("nodes", node), key.encode())])
+
+    def forget(self, node: str) -> bool:
+        """Delete ``nodes/<node>``, fenced; False if it was absent."""
+        path = self.key("nodes", node)
+        if self.client.get(path) is None:
+            return False
+        self.write([etcdv3.delete(path)])
+        return True
+
+    # --- the join secret -----------------------------------------------------------------------
+    def join_secret(self) -> str:
+        """``join_secret``, created if absent (only ever created: racing managers end with one secret)."""
+        path = self.key("join_secret")
+        found = self.client.get(path)
+        if found is None:
+            fresh = _dump({"secret": security.new_join_secret()})
+            self.client.txn([etcdv3.created_at(path, 0)], [etcdv3.put(path, fresh)])
+            found = self.client.get(path)
+            if found is None:
+                raise etcdv3.EtcdError(f"etcd key {path.decode()} vanished right after it was created")
+        return str(_load(found.value, path)["secret"])
+
+    def rotate_secret(self) -> str:
+        """Write a fresh ``join_secret``, fenced."""
+        secret = security.new_join_secret()
+        self.write([etcdv3.put(self.key("join_secret"), _dump({"secret": secret}))])
+        return secret
+
+    # --- the wait queue ------------------------------------------------------------------------
+    def queued(self) -> list[dict[str, Any]]:
+        """Every ``queue/<id>`` request, in the order their keys were created; an unreadable one is skipped."""
+        queued = []
+        for kv in sorted(self.client.get_prefix(self.key("queue", "")), key=lambda kv: kv.create_revision):
+            try:
+                queued.append(_load(kv.value, kv.key))
+            except ValueError as exc:  # as the state directory's journal does with a torn line
+                log.warning("%s; skipped", exc)
+        return queued
+
+    def enqueue(self, request: dict[str, Any]) -> None:
+        """Write ``queue/<id>``, fenced."""
+        self.write([etcdv3.put(self.key("queue", str(request["id"])), _dump(request))])
+
+    def dequeue(self, cid: str) -> None:
+        """Delete ``queue/<id>``, fenced."""
+        self.write([etcdv3.delete(self.key("queue", cid))])
+
+    # --- event ids -----------------------------------------------------------------------------
+    def reserve_event_ids(self, count: int) -> range:
+        """Raise ``event_ids`` by ``count`` in one fenced transaction that also checks no one moved it meanwhile."""
+        if count < 1:
+            raise ValueError("reserve at least one event id")
+        path = self.key("event_ids")
+        while True:
+            found = self.client.get(path)
+            start = int(_load(found.value, path)["ceiling"]) + 1 if found else 1
+            seen = found.mod_revision if found else 0
+            if self.write([etcdv3.put(path, _dump({"ceiling": start + count - 1}))], [etcdv3.modified_at(path, seen)],
+                          check=False):
+                return range(start, start + count)
+
+    # --- writes --------------------------------------------------------------------------------
+    def write(self, operations: list[dict[str, Any]], compares: list[dict[str, Any]] | None = None, *,
+              check: bool = True) -> bool:
+        """Run ``operations`` if the guard (and ``compares``) hold; raises Fenced when the guard failed.
+
+        With ``check=False`` a failure of ``compares`` alone returns False (the caller retries).
+        """
+        try:
+            guard = self._guard()
+        except Fenced:
+            self._fenced("this manager is not the leader")
+        if self.client.txn([*guard, *(compares or [])], operations).succeeded:
+            return True
+        if compares and self.client.txn(guard, []).succeeded:
+            if check:
+                raise etcdv3.EtcdError("a guarded write found the store changed under it")
+            return False
+        self._fenced("a newer leader holds the store")
+
+    def _fenced(self, why: str) -> NoReturn:
+        log.warning("store write refused: %s", why)
+        if self._on_fenced is not None:
+            self._on_fenced()
+        raise Fenced(f"store write refused: {why}; this manager steps down")

@@ -1,0 +1,214 @@
+"""The real manager against scripted agents that delay, drop, repeat and reorder replies, on a logical clock.
+
+Rules: POST (queued or not, 1 to 4 GPUs), DELETE (any record, twice as likely as not), PATCH, the fate of
+each request in flight (answered, refused, lost after it was applied, dropped before, answered again
+late), node down and up, reconnects, agent restarts, forgetting a node, containers exiting, sweeps and
+dispatches. After every step: the model's invariant (:meth:`Cluster.check`) and the engines' truth
+(no container alive on a node on the map without its bytes held). The number of examples is
+``GPUMGR_MODEL_EXAMPLES`` (500 in CI); ``bench/lifecycle_model.py`` runs it far longer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from gpumgr.manager.config import ManagerSettings
+from gpumgr.manager.records import PlacementSpec
+from gpumgr.manager.service import Manager
+from gpumgr.wire.errors import GpumgrError
+from gpumgr.wire.names import LIVE, State
+from tests.lifecycle_model import GiB, HeldLink, LogicalClock, ScriptedAgent, engine_violations, lost, refusal
+
+EXAMPLES = int(os.environ.get("GPUMGR_MODEL_EXAMPLES", "500"))
+FATES = st.sampled_from(["answer", "answer", "answer", "refuse", "lose_reply", "drop", "answer_twice"])
+
+
+class LifecycleMachine(RuleBasedStateMachine):
+    """See the module docstring."""
+
+    @initialize(nodes=st.integers(1, 2), gpus=st.sampled_from([1, 2, 4, 4]), size=st.sampled_from([4, 8]))
+    def start(self, nodes: int, gpus: int, size: int) -> None:
+        import tempfile
+        self.folder = tempfile.mkdtemp(prefix="gpumgr-model-")
+        self.clock = LogicalClock()
+        self.link = HeldLink(self.clock)
+        config = ManagerSettings(state_dir=self.folder, heartbeat_interval=1.0, heartbeat_liveness=3,
+                                 create_timeout=10.0, remove_timeout=6.0, forget_after=600.0)
+        self.manager = Manager(config, link=self.link, clock=self.clock)
+        self.agents = [ScriptedAgent(self.manager, f"n{i}", gpus, size * GiB) for i in range(nodes)]
+        for agent in self.agents:
+            agent.register()
+        self.ids: list[str] = []
+
+    def agent(self, name: str) -> ScriptedAgent:
+        return next(a for a in self.agents if a.name == name)
+
+    def drop_requests_to(self, agent: ScriptedAgent) -> None:
+        """Requests sent to a process that is gone are never carried out; their senders hear nothing."""
+        for number in [n for n, h in self.link.held.items() if h.key == agent.key]:
+            self.link.held.pop(number).future.set_exception(lost())
+
+    def settle(self) -> None:
+        for agent in self.agents:
+            if agent.up:
+                agent._obey()
+
+    # --- the API -------------------------------------------------------------------------------
+    @rule(memory=st.integers(1, 8), count=st.sampled_from([1, 1, 1, 2, 3, 4]), queue=st.booleans(),
+          priority=st.integers(0, 3),
+          preemptible=st.booleans())
+    def post(self, memory: int, count: int, queue: bool, priority: int, preemptible: bool) -> None:
+        spec = PlacementSpec(memory=memory * GiB // 2, count=count, placement="spread", image="img", command=[],
+                             priority=priority, preemptible=preemptible)
+        try:
+            record, commands = self.manager.cluster.submit(spec, queue=queue)
+        except GpumgrError:
+            return
+        self.ids.append(record.id)
+        self.manager.send(commands)
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data())
+    def delete(self, data: st.DataObject) -> None:
+        cid = data.draw(st.sampled_from(self.ids), "record")
+        for _ in range(data.draw(st.integers(1, 2), "times")):
+            record, commands = self.manager.cluster.request_removal(cid)
+            self.manager.send(commands)
+            assert record.desired is not State.RUNNING or record.state not in LIVE
+
+    def live(self) -> list[str]:
+        """Running records to resize (queued ones when none runs)."""
+        states = {c: self.manager.cluster.get(c).state for c in self.ids}
+        return [c for c, s in states.items() if s is State.RUNNING] or \
+            [c for c, s in states.items() if s is State.QUEUED]
+
+    @precondition(lambda self: self.live())
+    @rule(data=st.data(), memory=st.integers(1, 8))
+    def patch(self, data: st.DataObject, memory: int) -> None:
+        cid = data.draw(st.sampled_from(self.live()), "record")
+        try:
+            _, command = self.manager.cluster.begin_resize(cid, memory * GiB // 2, force=True)
+        except GpumgrError:
+            return
+        if command is not None:
+            self.manager.send([command])
+
+    # --- what happens to requests in flight --------------------------------------------------------
+    @precondition(lambda self: self.link.held)
+    @rule(data=st.data(), fate=FATES)
+    def deliver(self, data: st.DataObject, fate: str) -> None:
+        self.deliver_one(data.draw(st.sampled_from(sorted(self.link.held)), "request"), fate)  # any order
+
+    def deliver_one(self, number: int, fate: str) -> None:
+        held = self.link.held.pop(number)
+        agent = next((a for a in self.agents if held.key == a.key), None)
+        if agent is None or not agent.up or fate == "drop":
+            held.future.set_exception(lost())
+            return
+        if fate == "refuse":
+            held.future.set_result(refusal())
+            return
+        reply = agent.apply(held.message)
+        if fate == "lose_reply":
+            held.future.set_exception(lost())
+            return
+        callbacks = list(getattr(held.future, "_done_callbacks", []))
+        held.future.set_result(reply)
+        if fate == "answer_twice":  # the same answer again, after it was settled: must change nothing
+            for callback in callbacks:
+                callback(held.future)
+        self.settle()
+
+    @precondition(lambda self: self.link.held)
+    @rule(data=st.data())
+    def deliver_all(self, data: st.DataObject) -> None:
+        """Every request in flight meets a fate at once (drawn for each, in a drawn order)."""
+        for number in data.draw(st.permutations(sorted(self.link.held)), "order"):
+            if number in self.link.held:
+                self.deliver_one(number, data.draw(FATES, "fate"))
+
+    # --- nodes ---------------------------------------------------------------------------------
+    @rule(data=st.data())
+    def heartbeat(self, data: st.DataObject) -> None:
+        agent = data.draw(st.sampled_from(self.agents), "node")
+        if agent.up:
+            agent.heartbeat()
+
+    @rule(data=st.data(), how=st.sampled_from(["down", "reconnect", "restart"]))
+    def node_trouble(self, data: st.DataObject, how: str) -> None:
+        agent = data.draw(st.sampled_from(self.agents), "node")
+        if how == "down":
+            agent.up = False
+            return
+        if how == "restart":  # requests to the old process are never carried out
+            self.drop_requests_to(agent)
+            agent.restart()
+        else:
+            agent.reconnect()
+        agent.up = True
+        agent.register()
+
+    @precondition(lambda self: any(not a.up for a in self.agents))
+    @rule(data=st.data())
+    def node_up(self, data: st.DataObject) -> None:
+        agent = data.draw(st.sampled_from([a for a in self.agents if not a.up]), "node")
+        agent.up = True
+        agent.heartbeat()
+
+    @rule(data=st.data())
+    def forget(self, data: st.DataObject) -> None:
+        agent = data.draw(st.sampled_from(self.agents), "node")
+        if self.manager.cluster.node_ready(agent.name):
+            return
+        try:
+            self.manager.forget_node(agent.name)
+        except GpumgrError:
+            return
+        agent.engine.clear()  # its host was rebuilt; it joins again from nothing, and comes back later
+        self.drop_requests_to(agent)
+        agent.restart()
+        agent.up = False
+        agent._join()
+
+    @rule(data=st.data(), code=st.integers(0, 2))
+    def container_exits(self, data: st.DataObject, code: int) -> None:
+        agent = data.draw(st.sampled_from(self.agents), "node")
+        running = sorted(g for g, b in agent.engine.items() if b.state == "running")
+        if agent.up and running:
+            agent.exit(data.draw(st.sampled_from(running), "container"), code)
+
+    # --- time ----------------------------------------------------------------------------------
+    @rule(seconds=st.sampled_from([0.5, 2.0, 5.0, 12.0, 40.0]))
+    def time_passes(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+        self.link.expire()
+        self.manager.on_tick()
+        self.settle()
+
+    @rule()
+    def dispatch(self) -> None:
+        self.manager.dispatch_once()
+        self.settle()
+
+    # --- after every step ----------------------------------------------------------------------
+    @invariant()
+    def the_invariant_holds(self) -> None:
+        if hasattr(self, "manager"):
+            assert self.manager.cluster.check() == []
+            assert engine_violations(self.manager, self.agents) == []
+
+    def teardown(self) -> None:
+        if hasattr(self, "manager"):
+            import shutil
+            self.manager.cluster.journal.close()
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+LifecycleMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=60, deadline=None,
+                                              database=None, suppress_health_check=list(HealthCheck))
+test_the_lifecycle_holds_against_a_misbehaving_agent = pytest.mark.timeout(1200)(LifecycleMachine.TestCase)

@@ -1,0 +1,327 @@
+"""Does a Docker API request ask for a GPU (or to loosen the guard)? The guard's judgement, with no I/O but paths.
+
+Each ``*_reasons`` function takes a body decoded by :mod:`gpumgr.wire.gojson` with the schema named
+beside it and returns what in it asks for a GPU or would reach the guard itself, one sentence per
+field, naming the field as the engine's API spells it: an empty list is a clean request. The same
+checks judge what ``docker inspect`` shows of a container, so a test can hold the guard to what the
+engine really made. Host paths are resolved on this host (symbolic links followed, directories
+looked into), as the engine resolves them when it mounts a bind or adds a device.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpumgr.wire.gojson import ANY, BOOL, STR, Map, Slice, Struct
+from gpumgr.wire.names import LABEL_PREFIX, Env
+
+#: The character-device majors of NVIDIA GPUs (195) and of DRI render nodes (226); the dynamic majors
+#: of ``nvidia-uvm`` and ``nvidia-caps`` are read from /proc/devices (:func:`gpu_majors`).
+STATIC_MAJORS = frozenset({195, 226})
+#: Environment a GPU runtime reads to give a container devices (the NVIDIA runtime; its Swarm resource mode).
+GPU_ENV = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "NVIDIA_MIG_CONFIG_DEVICES",
+           "NVIDIA_MIG_MONITOR_DEVICES")
+GPU_ENV_PREFIXES = ("DOCKER_RESOURCE_",)
+#: Runtimes that give no devices of their own; any other (``nvidia``, or a wrapper under another name) asks.
+PLAIN_RUNTIMES = frozenset({"", "runc", "gpumgr", "io.containerd.runc.v2", "io.containerd.runtime.v1.linux"})
+#: Paths a bind must neither be, nor hold, nor sit inside: the GPUs' nodes, the engine's and gpumgr's settings
+#: and sockets (a container that can write them can replace the guard).
+GUARDED = ("/dev/nvidiactl", "/dev/dri", "/dev/char", "/etc/docker", "/run/docker/plugins", "/run/gpumgr",
+           "/etc/gpumgr", "/etc/systemd/system", "/var/lib/docker")
+GPU_NODE_PREFIXES = ("/dev/nvidia", "/dev/dri/", "/dev/char/195:", "/dev/char/226:")
+#: Labels a plain create may not carry: gpumgr's own, and Swarm's (the agent trusts those as a Swarm task's).
+RESERVED_LABELS = (LABEL_PREFIX, "com.docker.swarm.")
+#: Most entries looked at under one directory a device or bind names.
+MAX_SCAN = 4096
+RULE = re.compile(r"^([abc]) (\*|[0-9]+):(\*|[0-9]+)(?: ([rwm]{1,3}))?$")
+HINT = "Ask gpumgr for a GPU instead: 'docker gpu run --gpu-memory SIZE ...' or POST /v1/containers"
+
+# -- the engine's request bodies, as far as the guard reads them (field names as the Go structs spell them) --
+MOUNT = Struct({"Type": STR, "Source": STR, "Target": STR,
+                "VolumeOptions": Struct({"DriverConfig": Struct({"Name": STR, "Options": Map(STR)})})})
+RESOURCES = {
+    "Devices": Slice(Struct({"PathOnHost": STR, "PathInContainer": STR, "CgroupPermissions": STR})),
+    "DeviceCgroupRules": Slice(STR),
+    "DeviceRequests": Slice(Struct({"Driver": STR, "Count": ANY, "DeviceIDs": Slice(STR),
+                                    "Capabilities": Slice(Slice(STR)), "Options": Map(STR)})),
+}
+HOST_FIELDS = {"Binds": Slice(STR), "Privileged": BOOL, "Runtime": STR, "Mounts": Slice(MOUNT),
+               "VolumesFrom": Slice(STR), **RESOURCES}
+HOST_CONFIG = Struct(HOST_FIELDS)
+CONFIG_FIELDS = {"Image": STR, "Env": Slice(STR), "Labels": Map(STR)}
+#: ``POST /containers/create``: Config and the legacy HostConfig fields at the top, HostConfig inside.
+CREATE = Struct({**CONFIG_FIELDS, "HostConfig": HOST_CONFIG, **HOST_FIELDS})
+#: ``POST /containers/{id}/update``
+UPDATE = Struct(dict(RESOURCES))
+#: ``POST /containers/{id}/exec``
+EXEC = Struct({"Privileged": BOOL})
+#: ``POST /services/create`` and ``/services/{id}/update``
+SERVICE = Struct({"TaskTemplate": Struct({
+    "ContainerSpec": Struct({**CONFIG_FIELDS, "Mounts": Slice(MOUNT)}),
+    "PluginSpec": Struct({"Name": STR, "Remote": STR}), "Runtime": STR,
+    "Resources": Struct({"Reservations": Struct({"GenericResources": Slice(Struct({
+        "NamedResourceSpec": Struct({"Kind": STR, "Value": STR}),
+        "DiscreteResourceSpec": Struct({"Kind": STR, "Value": ANY})}))})})})})
+#: ``POST /volumes/create``
+VOLUME = Struct({"Name": STR, "Driver": STR, "DriverOpts": Map(STR)})
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What this node allows: the GPU majors, runtimes, and the most a hook request may ask for."""
+
+    majors: frozenset[int] = STATIC_MAJORS
+    runtimes: frozenset[str] = PLAIN_RUNTIMES
+    #: the highest ``GPUMGR_REQUEST_PRIORITY`` a container asking through the runtime hook may carry
+    hook_max_priority: int = 0
+    #: the most ``GPUMGR_REQUEST_MEMORY`` it may ask (bytes); None: no limit beyond the manager's
+    hook_max_memory: int | None = None
+    guarded: tuple[str, ...] = GUARDED
+
+
+def gpu_majors(proc_devices: str = "/proc/devices") -> frozenset[int]:
+    """The static GPU majors and those of every ``nvidia*`` character driver this host has loaded."""
+    majors = set(STATIC_MAJORS)
+    try:
+        lines = Path(proc_devices).read_text().splitlines()
+    except OSError:
+        return frozenset(majors)
+    for line in lines:
+        number, _, name = line.strip().partition(" ")
+        if name.startswith("nvidia") and number.isdigit():
+            majors.add(int(number))
+    return frozenset(majors)
+
+
+def host_config(create: dict[str, Any]) -> dict[str, Any]:
+    """The HostConfig the engine uses: the inner one if given (even empty), else the legacy top-level fields."""
+    inner = create.get("HostConfig")
+    if isinstance(inner, dict):
+        return inner
+    return {name: create[name] for name in HOST_FIELDS if name in create}
+
+
+def create_reasons(create: dict[str, Any], policy: Policy, *, granted: bool = False) -> list[str]:
+    """Why a container create asks for a GPU or reaches the guard (``granted``: it holds a ticket)."""
+    host = host_config(create)
+    reasons = [] if granted else [*env_reasons(create.get("Env"), "Env", policy),
+                                  *label_reasons(create.get("Labels"), "Labels"),
+                                  *requests_reasons(host.get("DeviceRequests"))]
+    if host.get("Privileged") is True:
+        reasons.append("HostConfig.Privileged gives the container every device of the host, GPUs included")
+    runtime = host.get("Runtime") or ""
+    if runtime not in policy.runtimes:
+        reasons.append(f"HostConfig.Runtime {runtime!r} is not a plain runtime (it may add GPUs)")
+    reasons += devices_reasons(host.get("Devices"), policy)
+    reasons += rules_reasons(host.get("DeviceCgroupRules"), policy)
+    reasons += binds_reasons(host.get("Binds"), policy)
+    reasons += mounts_reasons(host.get("Mounts"), "HostConfig.Mounts", policy)
+    return reasons
+
+
+def self_reasons(create: dict[str, Any], policy: Policy) -> list[str]:
+    """What an excepted image (``guard_allow``) is still refused: binds reaching the engine's or gpumgr's settings."""
+    host = host_config(create)
+    own = Policy(majors=frozenset(), guarded=tuple(path for path in policy.guarded if not path.startswith("/dev")))
+    reasons = [*binds_reasons(host.get("Binds"), own), *mounts_reasons(host.get("Mounts"), "HostConfig.Mounts", own)]
+    return [reason for reason in reasons if "GPU device" not in reason]
+
+
+def update_reasons(update: dict[str, Any], policy: Policy) -> list[str]:
+    """Why a container update asks for a GPU (its Resources carry devices)."""
+    return [*requests_reasons(update.get("DeviceRequests")), *devices_reasons(update.get("Devices"), policy),
+            *rules_reasons(update.get("DeviceCgroupRules"), policy)]
+
+
+def exec_reasons(body: dict[str, Any]) -> list[str]:
+    """Why an exec asks too much: a privileged exec."""
+    return ["Privileged exec gives the command every capability"] if body.get("Privileged") is True else []
+
+
+def service_reasons(spec: dict[str, Any], policy: Policy) -> list[str]:
+    """Why a service create or update asks for a GPU without gpumgr."""
+    template = spec.get("TaskTemplate") or {}
+    container = template.get("ContainerSpec") or {}
+    reasons = [*env_reasons(container.get("Env"), "TaskTemplate.ContainerSpec.Env", policy),
+               *label_reasons(container.get("Labels"), "TaskTemplate.ContainerSpec.Labels"),
+               *mounts_reasons(container.get("Mounts"), "TaskTemplate.ContainerSpec.Mounts", policy)]
+    if template.get("PluginSpec") is not None or (template.get("Runtime") or "").lower() == "plugin":
+        reasons.append("TaskTemplate.PluginSpec installs an engine plugin on every node")
+    generic = ((template.get("Resources") or {}).get("Reservations") or {}).get("GenericResources") or []
+    for resource in generic:
+        for spec_name in ("NamedResourceSpec", "DiscreteResourceSpec"):
+            kind = str(((resource or {}).get(spec_name) or {}).get("Kind") or "")
+            if "gpu" in kind.lower():
+                reasons.append(f"TaskTemplate.Resources.Reservations.GenericResources asks for {kind!r}")
+    return reasons
+
+
+def volume_reasons(body: dict[str, Any], policy: Policy) -> list[str]:
+    """Why a volume create reaches a guarded host path (the local driver binds ``device``)."""
+    device = (body.get("DriverOpts") or {}).get("device")
+    problem = path_problem(device, policy) if isinstance(device, str) and device.startswith("/") else None
+    return [f"DriverOpts.device {device!r} {problem}"] if problem else []
+
+
+def env_reasons(env: Any, where: str, policy: Policy) -> list[str]:
+    """Variables a GPU runtime reads, and GPU requests over this node's policy."""
+    reasons = []
+    values = {}
+    for entry in env or []:
+        name, _, value = str(entry).partition("=")
+        values[name] = value
+        if name in GPU_ENV or name.startswith(GPU_ENV_PREFIXES):
+            reasons.append(f"{where} sets {name}, which a GPU runtime reads to hand out GPUs")
+    priority = values.get(Env.REQUEST_PRIORITY)
+    if priority is not None and not _at_most(priority, policy.hook_max_priority):
+        reasons.append(f"{where} sets {Env.REQUEST_PRIORITY}={priority}: this node allows at most "
+                       f"{policy.hook_max_priority}")
+    memory = values.get(Env.REQUEST_MEMORY)
+    if memory is not None and policy.hook_max_memory is not None and not _memory_ok(memory, policy.hook_max_memory):
+        reasons.append(f"{where} sets {Env.REQUEST_MEMORY}={memory}: this node allows at most "
+                       f"{policy.hook_max_memory} bytes")
+    return reasons
+
+
+def label_reasons(labels: Any, where: str) -> list[str]:
+    """Labels only gpumgr and Swarm write."""
+    return [f"{where} sets {name!r}, a label only gpumgr or Swarm may write" for name in (labels or {})
+            if str(name).startswith(RESERVED_LABELS)]
+
+
+def requests_reasons(requests: Any) -> list[str]:
+    """Any device request: the NVIDIA driver answers ``gpu``, ``nvidia``, ``compute``, CDI and more."""
+    return [f"HostConfig.DeviceRequests asks the {(request or {}).get('Driver') or 'default'!s} driver for devices"
+            for request in requests or []]
+
+
+def devices_reasons(devices: Any, policy: Policy) -> list[str]:
+    """Devices that are (or hold) GPU nodes, or name a CDI GPU."""
+    reasons = []
+    for device in devices or []:
+        path = str((device or {}).get("PathOnHost") or "")
+        problem = _cdi_problem(path) or path_problem(path, policy, deep=True)
+        if problem:
+            reasons.append(f"HostConfig.Devices {path!r} {problem}")
+    return reasons
+
+
+def rules_reasons(rules: Any, policy: Policy) -> list[str]:
+    """Device cgroup rules that open a GPU major (or every device)."""
+    reasons = []
+    for rule in rules or []:
+        match = RULE.match(str(rule))
+        if match is None:
+            reasons.append(f"HostConfig.DeviceCgroupRules {rule!r} cannot be read")
+        elif match[1] == "a" or match[2] == "*" or int(match[2]) in policy.majors:
+            reasons.append(f"HostConfig.DeviceCgroupRules {rule!r} opens GPU devices")
+    return reasons
+
+
+def binds_reasons(binds: Any, policy: Policy) -> list[str]:
+    """Binds whose host side is, holds or sits inside a guarded path."""
+    reasons = []
+    for bind in binds or []:
+        source = str(bind).split(":", 1)[0]
+        problem = path_problem(source, policy) if source.startswith("/") else None
+        if problem:
+            reasons.append(f"HostConfig.Binds {bind!r} {problem}")
+    return reasons
+
+
+def mounts_reasons(mounts: Any, where: str, policy: Policy) -> list[str]:
+    """Mounts binding a guarded path, directly or through a volume's ``device`` option."""
+    reasons = []
+    for mount in mounts or []:
+        mount = mount or {}
+        source = str(mount.get("Source") or "")
+        options = (((mount.get("VolumeOptions") or {}).get("DriverConfig") or {}).get("Options") or {})
+        device = str(options.get("device") or "")
+        for path in (source, device):
+            problem = path_problem(path, policy) if path.startswith("/") else None
+            if problem:
+                reasons.append(f"{where} {path!r} {problem}")
+    return reasons
+
+
+def path_problem(path: str, policy: Policy, *, deep: bool = False) -> str | None:
+    """Why the host path ``path`` may not go into a container, or None; links are followed.
+
+    With ``deep`` (a device) a directory is searched for GPU nodes, as the engine adds every device
+    under a directory; a bound directory is not (a node in it stays closed by the device rules).
+    """
+    if path.startswith(GPU_NODE_PREFIXES):
+        return "is a GPU device"
+    real = os.path.realpath(path)
+    if real.startswith(GPU_NODE_PREFIXES):
+        return f"is a GPU device ({real})"
+    for guarded in policy.guarded:
+        if real == guarded or guarded.startswith(real.rstrip("/") + "/"):
+            return f"holds {guarded}" if real != guarded else "is guarded"
+        if real.startswith(guarded + "/"):
+            return f"is inside {guarded}"
+    return _device_problem(Path(real), policy, deep)
+
+
+def _device_problem(path: Path, policy: Policy, deep: bool) -> str | None:
+    try:
+        info = path.stat()
+    except OSError:
+        return None  # nothing there: the engine makes an empty folder (bind) or fails (device)
+    if stat.S_ISCHR(info.st_mode):
+        return f"is a GPU device (major {os.major(info.st_rdev)})" if os.major(info.st_rdev) in policy.majors else None
+    if not deep or not stat.S_ISDIR(info.st_mode):
+        return None
+    seen = 0
+    for entry in _walk(path):
+        seen += 1
+        if seen > MAX_SCAN:
+            return f"holds more than {MAX_SCAN} entries to check"
+        try:
+            entry_info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISCHR(entry_info.st_mode) and os.major(entry_info.st_rdev) in policy.majors:
+            return f"holds the GPU device {entry.path}"
+    return None
+
+
+def _walk(path: Path) -> Iterable[os.DirEntry[str]]:
+    """Every entry below ``path`` (the engine adds a folder's devices recursively)."""
+    pending = [path]
+    while pending:
+        try:
+            with os.scandir(pending.pop()) as entries:
+                for entry in entries:
+                    yield entry
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(Path(entry.path))
+        except OSError:
+            continue
+
+
+def _cdi_problem(path: str) -> str | None:
+    # the engine turns a --device naming a CDI device (vendor.com/class=name) into a CDI request
+    return "names a CDI GPU device" if "=" in path and "/" in path.split("=", 1)[0] else None
+
+
+def _at_most(text: str, limit: int) -> bool:
+    try:
+        return int(text.strip() or "0") <= limit
+    except ValueError:
+        return False
+
+
+def _memory_ok(text: str, limit: int) -> bool:
+    from gpumgr.wire.units import parse_bytes
+
+    try:
+        return parse_bytes(text) <= limit
+    except ValueError:
+        return True  # not a size: the agent refuses it with its own reason
