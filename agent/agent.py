@@ -32,8 +32,9 @@ from gpumgr.agent.meter import Sample, take_sample
 from gpumgr.agent.runtime import ChangeCallback, Managed, Runtime
 from gpumgr.wire import defaults, protocol, security
 from gpumgr.wire.epoch import Epoch
-from gpumgr.wire.errors import AgentFailed, GpumgrError, ProtocolError
+from gpumgr.wire.errors import AgentFailed, GpumgrError, PolicyDenied, ProtocolError
 from gpumgr.wire.link import Link, LinkHooks, Peer
+from gpumgr.wire.policy import Policy
 
 log = logging.getLogger(__name__)
 DEFAULT_ENFORCEMENT = EnforcerSettings()
@@ -217,6 +218,10 @@ class Agent:
             self._pool.submit(self._answer, envelope.id, self._remove, message)
         elif isinstance(message, protocol.Resize):
             self._pool.submit(self._answer, envelope.id, self._resize, message)
+        elif isinstance(message, protocol.Logs):
+            self._pool.submit(self._answer, envelope.id, self._logs, message)
+        elif isinstance(message, protocol.Signal):
+            self._pool.submit(self._answer, envelope.id, self._signal, message)
         elif isinstance(message, protocol.Reply):
             log.info("late reply %s from the manager dropped", envelope.reply_to)
         else:
@@ -281,9 +286,19 @@ class Agent:
         log.info("grant %s resized to %d bytes per GPU", message.grant, message.gpu_memory)
         return managed.report().model_dump()
 
+    def _logs(self, message: protocol.Logs) -> dict[str, Any]:
+        return self.runtime.logs(message.grant, message.session, since=message.since, skip=message.skip,
+                                 tail=None if message.tail < 0 else message.tail, limit=message.limit)
+
+    def _signal(self, message: protocol.Signal) -> dict[str, Any]:
+        self.runtime.signal(message.grant, message.signal)
+        return {"grant": message.grant, "signal": message.signal}
+
     def _answer(self, request_id: str, work: Callable[[Any], dict[str, Any]], argument: Any) -> None:
         try:
             reply = protocol.Reply(ok=True, result=work(argument))
+        except PolicyDenied as exc:  # the rule travels in the message: the link's error shape has no room for it
+            reply = protocol.Reply(ok=False, error=protocol.ErrorBody(code=exc.code, message=exc.wire_message()))
         except GpumgrError as exc:
             reply = protocol.Reply(ok=False, error=protocol.ErrorBody(code=exc.code, message=exc.message))
         except Exception as exc:  # report every failure to the manager rather than lose it
@@ -319,7 +334,7 @@ def _dealer_options(sock: zmq.Socket[bytes]) -> None:
 def build_runtime(kind: str, on_change: ChangeCallback, *, network_mode: str | None, device_requests: str,
                   gpu_kind: str, log_dir: str, mps: bool = False, node: str = "",
                   state_dir: str | Path | None = None, guard_control: str | None = None,
-                  hook_limits: Any = None) -> Runtime:
+                  hook_limits: Any = None, policy: Policy | None = None) -> Runtime:
     """The runtime ``kind``, chosen once at start and kept for the agent's life.
 
     ``auto`` means Docker wherever an engine is installed: when its socket exists but does not answer
@@ -342,7 +357,8 @@ def build_runtime(kind: str, on_change: ChangeCallback, *, network_mode: str | N
         time.sleep(1.0)
     use_requests = device_requests == "always" or (device_requests == "auto" and gpu_kind == "nvml" and _has_nvidia())
     return DockerRuntime(on_change, node=node, network_mode=network_mode, device_requests=use_requests, mps=mps,
-                         state_dir=state_dir, guard_control=guard_control, hook_limits=hook_limits)
+                         state_dir=state_dir, guard_control=guard_control, hook_limits=hook_limits,
+                         policy=policy)
 
 
 def _has_nvidia() -> bool:

@@ -10,6 +10,7 @@ from pydantic import BeforeValidator, Field
 from gpumgr.agent.enforcer import EnforcerSettings
 from gpumgr.wire import defaults
 from gpumgr.wire.config import Settings, size
+from gpumgr.wire.policy import Policy
 
 
 class AgentSettings(Settings):
@@ -32,6 +33,8 @@ class AgentSettings(Settings):
     runtime: Literal["auto", "docker", "process"] = "auto"
     heartbeat_interval: float = Field(defaults.HEARTBEAT_INTERVAL, gt=0)
     network_mode: str | None = None
+    #: this node's own ceiling on what any request may ask for, the operator's included (None: the manager's)
+    policy: Policy | None = None
     device_requests: Literal["auto", "always", "never"] = "auto"
     process_log_dir: str = "/tmp/gpumgr/logs"
     enforce: bool = True

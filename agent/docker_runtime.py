@@ -13,12 +13,15 @@ from typing import Any
 
 import docker
 import docker.errors
+from docker.models import containers as sdk_containers
 from docker.models.containers import Container
 from docker.types import CancellableStream, DeviceRequest
 
 from gpumgr.agent import procmap
+from gpumgr.agent.docker_run import create_options, read_logs
 from gpumgr.agent.guard_client import ticket_labels
 from gpumgr.agent.hook_limits import HookLimits
+from gpumgr.agent.logfollow import Followers
 from gpumgr.agent.runtime import (
     ChangeCallback,
     Managed,
@@ -30,6 +33,7 @@ from gpumgr.agent.runtime import (
 from gpumgr.wire import defaults, security
 from gpumgr.wire.errors import InvalidRequest, NotFound, RuntimeFailure
 from gpumgr.wire.names import Env, Label, State, flag_set
+from gpumgr.wire.policy import Policy
 from gpumgr.wire.protocol import ContainerSpec, RefusedAdoption, Reserve
 from gpumgr.wire.units import parse_bytes
 
@@ -55,10 +59,12 @@ class DockerRuntime(Runtime):
     def __init__(self, on_change: ChangeCallback, *, node: str = "", network_mode: str | None = None,
                  device_requests: bool = False, client: docker.DockerClient | None = None, mps: bool = False,
                  state_dir: str | Path | None = None, guard_control: str | None = None,
-                 hook_limits: HookLimits | None = None) -> None:
+                 hook_limits: HookLimits | None = None, policy: Policy | None = None) -> None:
         super().__init__(on_change, mps=mps)
         self.guard_control = guard_control  # issue 22
         self.hook_limits = hook_limits or HookLimits()  # issue 22
+        #: the node's own ceiling on what any request may ask for (None: the manager's policy alone)
+        self.policy = policy
         #: the grants this agent took for hook-created containers, kept where no container can change them
         self._ledger = Path(state_dir, TASKS_FILE) if state_dir is not None else None
         self._resized_file = Path(state_dir, RESIZED_FILE) if state_dir is not None else None
@@ -72,6 +78,7 @@ class DockerRuntime(Runtime):
         #: host pid → (start time, container ids from its cgroup); only the enforcer's thread uses it
         self._cgroups: dict[int, tuple[int, list[str]]] = {}
         self._stop = threading.Event()
+        self._followers = Followers()
         self._events: CancellableStream[dict[str, Any]] | None = None
         self._adopt()
         self._watcher = threading.Thread(target=self._watch, name="docker-events", daemon=True)
@@ -90,13 +97,14 @@ class DockerRuntime(Runtime):
         labels.update(ticket_labels(self.guard_control))  # issue 22: the guard lets this one create through
         requests = [DeviceRequest(driver="nvidia", device_ids=spec.gpus, capabilities=[["gpu"]])] \
             if self.device_requests else None
+        options = create_options(spec, self.network_mode, self.policy)  # PolicyDenied before anything exists
         api = self.client.api
         try:
-            created = api.create_container(
-                spec.image, spec.command or None, name=spec.name, environment=grant_env(spec, self.mps),
-                labels=labels, detach=True,
-                host_config=api.create_host_config(network_mode=self.network_mode, device_requests=requests),
-            )
+            # the SDK's own split of create()'s arguments into the engine's, without its inspect afterwards
+            created = api.create_container(**sdk_containers._create_container_args({  # type: ignore[attr-defined]
+                "image": spec.image, "command": spec.command or None, "name": spec.name,
+                "environment": grant_env(spec, self.mps), "labels": labels, "detach": True,
+                "device_requests": requests, "version": api.api_version, **options}))
         except docker.errors.ImageNotFound as exc:
             raise RuntimeFailure(f"image {spec.image!r} is not on this node: {exc.explanation}",
                                  code="image_not_found") from exc
@@ -167,6 +175,24 @@ class DockerRuntime(Runtime):
 
         threading.Thread(target=stop, name=f"stop-{grant}", daemon=True).start()
 
+    def logs(self, grant: str, session: str = "", **cursor: Any) -> dict[str, Any]:
+        """The next bounded piece of the output of the container holding ``grant``; a ``session`` follows it."""
+        container_id = self.get(grant).container_id
+        if session:
+            return self._followers.read(session, self.client, container_id, **cursor)
+        return read_logs(self.client, container_id, **cursor)
+
+    def signal(self, grant: str, signal: str) -> None:
+        """Send ``signal`` to the container holding ``grant``, as ``docker kill --signal`` does."""
+        managed = self.get(grant)
+        try:
+            self.client.api.kill(managed.container_id, signal=signal)
+        except docker.errors.NotFound:
+            raise NotFound(f"container {managed.container_id[:12]} is gone from this node") from None
+        except docker.errors.APIError as exc:
+            raise RuntimeFailure(f"docker could not signal the container: {exc.explanation}",
+                                 code="conflict" if "is not running" in str(exc) else None) from exc
+
     def owner_of(self, pid: int, started: int | None = None) -> Managed | None:
         """Map a host pid to its managed container through ``/proc/<pid>/cgroup``.
 
@@ -195,6 +221,7 @@ class DockerRuntime(Runtime):
     def close(self) -> None:
         """Stop the Docker events watcher."""
         self._stop.set()
+        self._followers.close()
         if self._events is not None:
             self._events.close()
 

@@ -50,6 +50,9 @@ class ProcessRuntime(Runtime):
         """Start the command in a new session (its own process group) with the grant's environment."""
         if not spec.command:
             raise RuntimeFailure("a command is required to run a host process", code="invalid_request")
+        if spec.run is not None and spec.run.given():
+            raise RuntimeFailure(f"{', '.join(spec.run.given())} need a node that runs Docker; this one runs host "
+                                 "processes", code="invalid_request")
         env = {**os.environ, **grant_env(spec, self.mps), Env.CUDA_VISIBLE_DEVICES: ",".join(spec.gpus)}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpumgr.wire import defaults
-from gpumgr.wire.errors import NotFound
+from gpumgr.wire.errors import InvalidRequest, NotFound
 from gpumgr.wire.names import LABEL_PREFIX, REMOVING, Env, Label, State
 from gpumgr.wire.protocol import ContainerReport, ContainerSpec, ContainerStatus, RefusedAdoption
 
@@ -158,6 +158,15 @@ class Runtime:
     def remove(self, grant: str, stop_grace: float = defaults.STOP_GRACE) -> None:
         """Stop and remove the container holding ``grant``; raises NotFound."""
         raise NotImplementedError
+
+    def logs(self, grant: str, session: str = "", **cursor: Any) -> dict[str, Any]:
+        """The next bounded piece of the output of the container holding ``grant``."""
+        raise InvalidRequest(f"this node's {self.kind} runtime keeps no output to read; run the container on a "
+                             "node with Docker")
+
+    def signal(self, grant: str, signal: str) -> None:
+        """Send ``signal`` (a name such as SIGINT, or a number) to the container holding ``grant``."""
+        raise InvalidRequest(f"this node's {self.kind} runtime cannot pass signals on")
 
     def kill(self, grant: str, reason: str, detail: dict[str, Any] | None = None) -> None:
         """Kill the container holding ``grant`` at once and remember why."""

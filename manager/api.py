@@ -22,13 +22,16 @@ from pydantic import (
     WithJsonSchema,
 )
 
+from gpumgr.manager.lookup import resolve
 from gpumgr.manager.nodes_cache import NodesCache
-from gpumgr.manager.records import PlacementSpec
+from gpumgr.manager.policy import admit
+from gpumgr.manager.records import Container, PlacementSpec
 from gpumgr.manager.service import Manager
 from gpumgr.manager.tenants import OPERATOR, TENANT_NAME, Principal
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.errors import Forbidden, InvalidRequest, ProtocolError
 from gpumgr.wire.names import LABEL_PREFIX, RESERVED_ENV, Label, State
+from gpumgr.wire.runspec import RUN_FIELDS, RunSpec
 from gpumgr.wire.units import MAX_BYTES, parse_bytes
 
 bp = Blueprint("v1", __name__, url_prefix="/v1")
@@ -113,8 +116,11 @@ COMMAND_SCHEMA = {"anyOf": [{"type": "string", "maxLength": MAX_COMMAND_STRING},
                              "items": {"type": "string", "maxLength": MAX_FIELD}}]}
 
 
-class CreateContainer(BaseModel):
+class CreateContainer(RunSpec):
     """The body of ``POST /v1/containers``; unknown fields are refused.
+
+    Besides the grant and the placement it takes how the container runs (:class:`RunSpec`: mounts,
+    ports, network, namespaces, limits), named as docker-py's ``containers.run`` names them.
 
     Every string is bounded by the wire's per-field bound in UTF-8 bytes, every list and map by its
     item bound, and the whole create message by ``MAX_CREATE_BYTES``: a request the agent could not
@@ -184,11 +190,14 @@ def create_container() -> tuple[Response, int]:
     if body.image is None and manager().cluster.needs_image():
         raise InvalidRequest("image is required: the ready nodes run containers with Docker")
     settings = manager().settings
-    _check_message_size(body, body.on_overrun or settings.on_overrun)
+    run = RunSpec.model_validate(body.model_dump(include=set(RUN_FIELDS), mode="json", exclude_defaults=True))
+    admit(run, settings.policy, tenant)
+    _check_message_size(body, body.on_overrun or settings.on_overrun, run)
     spec = PlacementSpec(
         memory=body.gpu_memory, count=body.gpus, placement=body.placement or settings.placement, image=body.image,
         command=body.command, name=body.name, env=body.env, labels=body.labels, node=body.node,
         on_overrun=body.on_overrun or settings.on_overrun, priority=priority, preemptible=body.preemptible,
+        run=run.given(),
     )
     record, status = manager().create(spec, queue=body.queue, queue_timeout=body.queue_timeout, tenant=tenant)
     return jsonify(record), status
@@ -213,25 +222,28 @@ def list_containers() -> Response:
 
 @bp.get("/containers/<cid>")
 def get_container(cid: str) -> Response:
-    """One container record; 404 for an unknown id (or another tenant's)."""
-    cluster = manager().cluster
-    return jsonify(cluster.view(cluster.get_for(cid, principal())))
+    """One container record by id, name or unique id prefix; 404 if none (or another tenant's), 409 if ambiguous."""
+    return jsonify(manager().cluster.view(lookup(cid)))
 
 
 @bp.patch("/containers/<cid>")
 def resize_container(cid: str) -> Response:
     """Grow or shrink a running (or queued) container's grant in place; 200 with the new record."""
-    manager().cluster.get_for(cid, principal())  # another tenant's id is a 404 before the body is even read
+    found = lookup(cid).id  # another tenant's id is a 404 before the body is even read
     body = _validated(ResizeContainer)
-    return jsonify(manager().resize(cid, body.gpu_memory, force=body.force, principal=principal()))
+    return jsonify(manager().resize(found, body.gpu_memory, force=body.force, principal=principal()))
 
 
 @bp.delete("/containers/<cid>")
 def delete_container(cid: str) -> tuple[Response, int]:
     """Stop and remove a container (or withdraw a queued request); its grant is freed."""
-    manager().cluster.get_for(cid, principal())
-    record, status = manager().remove(cid)
+    record, status = manager().remove(lookup(cid).id)
     return jsonify(record), status
+
+
+def lookup(ref: str) -> Container:
+    """The caller's container that ``ref`` names: an id, a name or a unique id prefix (see ``lookup.resolve``)."""
+    return resolve(manager().cluster, ref, principal())
 
 
 @bp.get("/nodes")
@@ -283,12 +295,12 @@ def _query(name: str, limit: int) -> str | None:
     return value
 
 
-def _check_message_size(body: CreateContainer, on_overrun: str) -> None:
+def _check_message_size(body: CreateContainer, on_overrun: str, run: RunSpec) -> None:
     """A 400 unless the create message the agent will get, GPU ids and grant included, fits ``MAX_CREATE_BYTES``."""
     spec = protocol.ContainerSpec(
         grant="0" * 16, name=body.name or "gpumgr-" + "0" * 16, image=body.image, command=body.command,
         env=body.env, labels=body.labels, gpus=["0" * GPU_ID_BUDGET] * body.gpus, gpu_memory=body.gpu_memory,
-        on_overrun=on_overrun, created_at=time.time(),
+        on_overrun=on_overrun, created_at=time.time(), run=run,
     )
     try:
         size = len(protocol.encode(protocol.Create(spec=spec)))

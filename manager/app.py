@@ -10,7 +10,7 @@ from flask.json.provider import DefaultJSONProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import HTTPException
 
-from gpumgr.manager import api, dashboard, openapi
+from gpumgr.manager import api, containers_io, dashboard, openapi
 from gpumgr.manager.nodes_cache import NodesCache
 from gpumgr.manager.service import Manager
 from gpumgr.manager.tenants import TenantBook
@@ -29,6 +29,7 @@ def create_app(manager: Manager, test_config: dict[str, Any] | None = None) -> F
     app.extensions["gpumgr.manager"] = manager
     app.extensions["gpumgr.nodes"] = NodesCache(manager.cluster)
     app.register_blueprint(api.bp)
+    app.register_blueprint(containers_io.bp)
     app.register_blueprint(dashboard.bp)
     app.add_url_rule("/healthz", "healthz", lambda: healthz(manager))
     app.add_url_rule("/openapi.json", "openapi", lambda: jsonify(openapi.document()))
@@ -92,7 +93,7 @@ def _authorize(tenants: TenantBook) -> tuple[Response, int] | None:
 
 
 def _gpumgr_error(exc: GpumgrError) -> tuple[Response, int]:
-    return _error(exc.code, exc.message, exc.status)
+    return jsonify({"error": exc.to_dict()}), exc.status
 
 
 def _http_error(exc: HTTPException) -> tuple[Response, int]:

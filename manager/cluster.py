@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from gpumgr.manager.clock import SYSTEM, Clock
@@ -35,6 +36,7 @@ from gpumgr.wire.errors import (
     NoAgents,
     NoFit,
     NotFound,
+    PolicyDenied,
     QuotaExceeded,
 )
 from gpumgr.wire.names import LIVE, EventType, State
@@ -51,6 +53,8 @@ CALLER_ERRORS: dict[str, type[GpumgrError]] = {"invalid_request": InvalidRequest
 def agent_error(node: str, error: protocol.ErrorBody | None, what: str) -> GpumgrError:
     """The error a REST caller gets for a node's refusal: the engine's words, 4xx where it was the caller's fault."""
     message = error.message if error is not None else "unknown error"
+    if error is not None and error.code == PolicyDenied.code:  # the node's own policy: 403 with its rule
+        return PolicyDenied.from_wire(f"node {node} refused: {message}")
     kind = CALLER_ERRORS.get(error.code if error is not None else "")
     if kind is not None:
         return kind(f"node {node} {what}: {message}", code=error.code if error is not None else None)
@@ -78,6 +82,8 @@ class Cluster(MapReads):
         self.queue_max = defaults.QUEUE_MAX
         #: how long a node has to answer a create before the manager stops waiting
         self.create_timeout = defaults.CREATE_TIMEOUT
+        #: how record ids are drawn (a test replaying a sequence makes them deterministic)
+        self.new_id: Callable[[], str] = lambda: os.urandom(8).hex()
         #: creates begun by a walk another request caused, and hook records it placed: the dispatcher sends them
         self._to_send: list[Command] = []
         self._hooks_placed: list[Container] = []
@@ -233,7 +239,7 @@ class Cluster(MapReads):
         return record
 
     def _new_record(self, spec: PlacementSpec, tenant: Tenant | None) -> Container:
-        cid = os.urandom(8).hex()
+        cid = self.new_id()
         return Container(id=cid, name=spec.name or f"gpumgr-{cid}", node="", gpus=[], gpu_memory=spec.memory,
                          spec=spec, container_id=spec.container_id, created_at=self.clock.time(),
                          tenant=tenant.name if tenant is not None else spec.tenant, priority=spec.priority,
@@ -308,8 +314,9 @@ class Cluster(MapReads):
         elif command.kind is OpKind.REMOVE:
             gone = ok or (reply is not None and reply.error is not None and reply.error.code == "not_found")
             if gone:
-                self.life.end_op(record, op)
+                record.op = None  # done: the move below must not fail it; its waiter is woken after the move
                 self.life.move(record, State.REMOVED)
+                self.life.end_op(record, op)
             elif reply is not None or not sent:
                 refused = agent_error(record.node, reply.error if reply else None, "could not remove the container")
                 if record.desired is State.PREEMPTED:
@@ -335,8 +342,8 @@ class Cluster(MapReads):
                 reply = protocol.Reply(ok=False, error=protocol.ErrorBody(code="protocol_error", message=str(exc)))
             else:
                 record.container_id = report.container_id
-                self.life.end_op(record, op)
                 self.life.move(record, State.RUNNING)
+                self.life.end_op(record, op)  # after the move: whoever waits on it sees it running
                 return
         if reply is not None or not sent or isinstance(lost, NoAgents):  # refused or never delivered: nothing made
             refused = agent_error(record.node, reply.error if reply else None, "could not start the container") \
@@ -350,10 +357,16 @@ class Cluster(MapReads):
         self.life.end_op(record, op, lost)
 
     def finish(self, cid: str, state: State, *, reason: str | None = None, exit_code: int | None = None,
-               detail: dict[str, Any] | None = None, finished_at: float | None = None) -> Container:
-        """``cid`` ended (its node's report) or must end now; frees its grant if it still held one."""
+               detail: dict[str, Any] | None = None, finished_at: float | None = None,
+               container_id: str | None = None) -> Container:
+        """``cid`` ended (its node's report) or must end now; frees its grant if it still held one.
+
+        A container that ends at once may be reported ended before its create's answer arrives: the
+        report's ``container_id`` is kept, so its output and record stay reachable.
+        """
         with self.lock:
             record = self._get(cid)
+            record.container_id = record.container_id or container_id or None
             self.life.move(record, state, reason, exit_code=exit_code, detail=detail, finished_at=finished_at)
             return record
 
@@ -363,9 +376,9 @@ class Cluster(MapReads):
             record = self._get(cid)
             record.container_id = report.container_id
             if record.state is State.CREATING:
+                self.life.move(record, State.RUNNING)
                 if record.op is not None and record.op.kind is OpKind.CREATE:
                     self.life.end_op(record, record.op)
-                self.life.move(record, State.RUNNING)
             return record
 
     def follow_ups(self, cid: str) -> list[Command]:

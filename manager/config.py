@@ -9,6 +9,7 @@ from pydantic import BeforeValidator, Field, field_validator
 from gpumgr.manager.tenants import TenantConfig
 from gpumgr.wire import defaults
 from gpumgr.wire.config import Settings, size
+from gpumgr.wire.policy import Policy
 
 
 class ManagerSettings(Settings):
@@ -28,6 +29,8 @@ class ManagerSettings(Settings):
     forget_after: float = Field(defaults.NODE_FORGET_AFTER, gt=0)
     threads: int = Field(defaults.API_THREADS, ge=1)
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+    #: what tenants may ask for beyond their containers (a tenant's own ``policy`` replaces it)
+    policy: Policy = Field(default_factory=Policy)
     queue_aging: float = Field(defaults.QUEUE_AGING, gt=0)
     log_level: str = "INFO"
     #: several managers on etcd (experimental): ``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]``, ``etcds://`` for TLS

@@ -131,7 +131,7 @@ class Inbound:
             # the overrun that killed it is on record already, under "overrun": do not repeat its keys at the top
             detail = {} if "overrun" in record.detail else event.detail
             self.cluster.finish(record.id, state, reason=report.reason, exit_code=report.exit_code,
-                                detail=detail, finished_at=report.finished_at)
+                                detail=detail, finished_at=report.finished_at, container_id=report.container_id)
 
     def _reserve(self, request: protocol.Reserve, reply_to: str) -> protocol.Reply | None:
         """Grant memory on the asking node for a container its runtime hook is creating (a Swarm task).

@@ -15,7 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from gpumgr.manager import api
+from gpumgr.manager.containers_io import MULTIPLEXED
+from gpumgr.wire import defaults
 from gpumgr.wire.names import State
+from gpumgr.wire.runspec import SIGNAL
 
 VERSION = "1"
 
@@ -31,6 +34,7 @@ class ErrorDetail(_Shape):
 
     code: str
     message: str
+    rule: str | None = Field(None, description="policy_denied only: the policy entry that refused the request")
 
 
 class Error(_Shape):
@@ -206,6 +210,23 @@ class TenantList(_Shape):
     tenants: list[TenantView]
 
 
+class WaitResult(_Shape):
+    """``POST /v1/containers/{cid}/wait``: how it ended, or how it stands when the wait timed out."""
+
+    id: str
+    state: State
+    exit_code: int | None
+    reason: str | None
+    ended: bool = Field(description="false when the timeout passed first: ask again")
+
+
+class Signalled(_Shape):
+    """``POST /v1/containers/{cid}/kill``."""
+
+    id: str
+    signal: str
+
+
 class Health(_Shape):
     """``GET /healthz``."""
 
@@ -215,15 +236,17 @@ class Health(_Shape):
 
 
 RESPONSES: tuple[type[BaseModel], ...] = (Error, ContainerRecord, ContainerList, NodeList, NodeForgotten,
-                                          EventList, Health, TenantList)
+                                          EventList, Health, TenantList, WaitResult, Signalled)
 #: What each error status means here.
 ERRORS = {
     400: "the request is invalid; the message says which field and which bound",
     401: "no or a wrong bearer token (only when the manager has a token)",
-    403: "over the tenant's quota (quota_exceeded), a priority above its ceiling, or the operator's alone",
+    403: "over the tenant's quota (quota_exceeded), a priority above its ceiling, the operator's alone, or refused "
+         "by the operator's policy (policy_denied, naming the rule)",
     404: "no such container or node (or another tenant's)",
-    409: "no GPU can hold the request (no_fit, never_fits), the queue is full, the node is up, or a shrink "
-         "below usage without force (below_usage)",
+    409: "no GPU can hold the request (no_fit, never_fits), the queue is full, the node is up, a shrink "
+         "below usage without force (below_usage), a name or id prefix that several containers match, or a "
+         "container not running (conflict)",
     413: "the body is over 1 MiB",
     502: "the agent could not do it",
     503: "no agent is ready, or the container's node is down",
@@ -268,7 +291,7 @@ def document() -> dict[str, Any]:
     def path(name: str, text: str) -> dict[str, Any]:
         return {"name": name, "in": "path", "required": True, "description": text, "schema": {"type": "string"}}
 
-    cid = path("cid", "the container's id (the grant's)")
+    cid = path("cid", "the container's id (the grant's), its name, or a prefix of its id only it has")
     states = [s.value for s in State]
     paths = {
         "/healthz": {"get": operation("Liveness and how many nodes are ready", (200, Health, "serving"), (),
@@ -302,6 +325,26 @@ def document() -> dict[str, Any]:
                                 also=(202, ContainerRecord, "kept: carried out once its node is back or its "
                                       "create returns")),
         },
+        "/v1/containers/{cid}/logs": {"get": {
+            "operationId": "containerLogs", "summary": "The container's output (stdout and stderr), streamed",
+            "parameters": [cid, query("follow", "keep streaming until the container ends", enum=["0", "1", "true",
+                                                                                                     "false"]),
+                           query("tail", "only this many last lines, or all", pattern="^([0-9]{1,5}|all)$")],
+            "responses": {"200": {"description": "plain text; Docker's multiplexed framing when asked for with "
+                                                 "Accept: " + MULTIPLEXED,
+                                  "content": {"text/plain": {"schema": {"type": "string"}},
+                                              MULTIPLEXED: {"schema": {"type": "string"}}}},
+                          **{str(s): answer(s, Error, ERRORS[s])[str(s)] for s in (400, 401, 404, 409, 502, 503, 504)}},
+        }},
+        "/v1/containers/{cid}/wait": {"post": operation(
+            "Wait until the container ends (at most timeout seconds)", (200, WaitResult, "its end, or ended: false"),
+            (400, 404, 409), params=[cid, query("timeout", "seconds to wait at most (default and most: "
+                                                           f"{defaults.WAIT_MAX:g})", pattern=r"^[0-9]+(\.[0-9]+)?$")],
+            op_id="waitContainer")},
+        "/v1/containers/{cid}/kill": {"post": operation(
+            "Send a signal to a running container (docker kill)", (200, Signalled, "sent"),
+            (400, 404, 409, 502, 503, 504), params=[cid, query("signal", "SIGKILL by default; a name or a number",
+                                                               pattern=SIGNAL.pattern)], op_id="killContainer")},
         "/v1/nodes": {"get": operation("The machine × GPU map", (200, NodeList, "every node and its GPUs"), (),
                                        op_id="listNodes")},
         "/v1/nodes/{name}": {"delete": operation(

@@ -201,9 +201,10 @@ class Reconciler:
             # a create in flight is settled by its answer (the container may still fail to start); a
             # registration, the whole report of a (restarted) agent, shows what exists
             if report.state == State.RUNNING or report.state == REMOVING:
-                if record.op is not None and creating:
-                    self.life.end_op(record, record.op)
+                op = record.op if creating else None
                 self.life.move(record, State.RUNNING)
+                if op is not None:
+                    self.life.end_op(record, op)
             elif report.state == State.CREATING and record.op is None and record.deadline is not None:
                 record.deadline = max(record.deadline, now + defaults.TASK_START_TIMEOUT)
         if report.state in (State.EXITED, State.KILLED) and record.state in LIVE:

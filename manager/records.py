@@ -200,3 +200,5 @@ class PlacementSpec:
     tenant: str | None = None
     priority: int = 0
     preemptible: bool = False
+    #: the container spec beyond the image and command (``wire.runspec.RunSpec`` fields), as asked
+    run: dict[str, Any] = field(default_factory=dict)

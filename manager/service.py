@@ -22,6 +22,7 @@ from gpumgr.manager.events import EventLog
 from gpumgr.manager.inbound import Inbound
 from gpumgr.manager.link import ManagerLink
 from gpumgr.manager.metrics import Metrics
+from gpumgr.manager.policy import run_fields
 from gpumgr.manager.records import Command, OpKind, PlacementSpec
 from gpumgr.manager.tenants import OPERATOR, Principal, Tenant, TenantBook, build_tenants
 from gpumgr.wire import defaults, protocol
@@ -76,7 +77,8 @@ class Manager:
         """Put new tenants, quotas and tokens in force (SIGHUP); raises ValueError, keeping the old ones."""
         tenants = build_tenants(settings.tenants, settings.token)
         self.tenants.replace(tenants, settings.token)
-        self.settings = self.settings.model_copy(update={"tenants": settings.tenants, "token": settings.token})
+        self.settings = self.settings.model_copy(update={"tenants": settings.tenants, "token": settings.token,
+                                                         "policy": settings.policy})
         self.cluster.wake.set()  # a raised quota may let queued requests go
         log.info("tenants reloaded: %s", ", ".join(sorted(tenants)) or "none")
 
@@ -170,7 +172,7 @@ class Manager:
                     unsent = command
                 else:
                     unsent = None
-                    message = _message(command, self.settings)
+                    message = _message(command, self.settings, self.tenants)
                     if command.op is None:
                         self.link.send(node.routing_id, message)
                         continue
@@ -231,15 +233,15 @@ class Manager:
             self.send(commands)
 
 
-def _message(command: Command, settings: ManagerSettings) -> protocol.Message:
-    """The link message that carries ``command`` out."""
+def _message(command: Command, settings: ManagerSettings, tenants: TenantBook) -> protocol.Message:
+    """The link message that carries ``command`` out (a create carries the run spec and the policy in force)."""
     record = command.record
     if command.kind is OpKind.CREATE:
         return protocol.Create(spec=protocol.ContainerSpec(
             grant=record.id, name=record.name, image=record.image, command=record.command, env=record.env,
             labels=record.labels, gpus=record.gpus, gpu_memory=record.gpu_memory, on_overrun=record.on_overrun,
             created_at=record.created_at, tenant=record.tenant or "", priority=record.priority,
-            preemptible=record.preemptible,
+            preemptible=record.preemptible, **run_fields(record.spec.run, record.tenant, settings.policy, tenants),
         ))
     if command.kind is OpKind.RESIZE:
         assert command.op is not None

@@ -22,6 +22,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 from gpumgr.wire import defaults
 from gpumgr.wire.config import size
+from gpumgr.wire.policy import Policy
 
 #: Tenant names: short, printable, safe in labels, URLs and Prometheus label values.
 TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
@@ -41,6 +42,8 @@ class TenantConfig(BaseModel):
     gpu_memory: Annotated[int | None, BeforeValidator(lambda v: None if v is None else size(v))] = None
     containers: int | None = Field(None, ge=0)
     priority: int = Field(0, ge=-defaults.MAX_PRIORITY, le=defaults.MAX_PRIORITY)
+    #: what its requests may ask for beyond their containers; None: the manager's top-level ``policy``
+    policy: Policy | None = None
 
     @model_validator(mode="after")
     def _one_token(self) -> TenantConfig:
@@ -58,6 +61,7 @@ class Tenant:
     gpu_memory: int | None
     containers: int | None
     priority: int
+    policy: Policy | None = None
 
     def quota_view(self) -> dict[str, Any]:
         """The tenant's limits as ``GET /v1/tenants`` shows them (null: unlimited)."""
@@ -97,7 +101,8 @@ def build_tenants(configs: dict[str, TenantConfig], operator_token: str | None) 
         if token in seen:
             raise ValueError(f"tenant {name} has the same token as {seen[token]}; every token must be its own")
         seen[token] = f"tenant {name}"
-        tenants[name] = Tenant(name, token.encode(), config.gpu_memory, config.containers, config.priority)
+        tenants[name] = Tenant(name, token.encode(), config.gpu_memory, config.containers, config.priority,
+                              config.policy)
     return tenants
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from gpumgr.manager.records import MetricsSnapshot
 from gpumgr.manager.tenants import Principal, Usage
 from gpumgr.wire import defaults
-from gpumgr.wire.errors import NotFound
+from gpumgr.wire.errors import NoAgents, NotFound
 from gpumgr.wire.names import LIVE, State
 
 if TYPE_CHECKING:
@@ -176,6 +176,13 @@ class MapReads:
         with self.ledger.lock:
             node = self.ledger.nodes.get(name)
             return node is not None and node.ready
+
+    def routing_id(self, name: str) -> bytes:
+        """Where the link reaches ``name``'s agent now; NoAgents if ``name`` is not on the map."""
+        found = self.routing_id_of(name)
+        if found is None:
+            raise NoAgents(f"node {name} is not on the map")
+        return found
 
     def routing_id_of(self, name: str) -> bytes | None:
         """Where the link reached ``name``'s agent last, or None if ``name`` is not on the map."""

@@ -7,7 +7,6 @@ docker-cli-plugin-metadata`` to learn about it). The manager is found from ``--m
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -34,7 +33,11 @@ TASK_TEMPLATES = {Env.TASK: "{{.Task.ID}}", Env.TASK_NAME: "{{.Task.Name}}",
 
 
 class PluginError(Exception):
-    """Something the user must fix; printed as one line, exit status 1."""
+    """Something the user must fix; printed as one line, exit status ``status`` (1; ``docker gpu run``: 125)."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(argv)
     except PluginError as exc:
         print(f"docker gpu: {exc}", file=sys.stderr)
-        return 1
+        return exc.status
+    except KeyboardInterrupt:  # Ctrl-C before anything was started: quietly, with the shell's status for it
+        return 128 + 2
 
 
 def run(argv: list[str]) -> int:
@@ -70,8 +75,15 @@ def run(argv: list[str]) -> int:
         from gpumgr.plugin import stats  # rich is loaded only for these: the other commands start fast
 
         return stats.stats(client, rest, PluginError) if command == "stats" else stats.nodes(client, rest)
-    if command == "run":
-        return run_container(client, rest)
+    if command in CONTAINER_COMMANDS:
+        from gpumgr.plugin import run_cli
+
+        try:
+            return int(getattr(run_cli, CONTAINER_COMMANDS[command])(client, rest, PluginError))
+        except PluginError as exc:
+            if command == "run" and exc.status == 1:
+                exc.status = run_cli.EXIT_FAILED  # docker run's own failures exit 125
+            raise
     if command == "ps":
         return show_containers(client)
     if command == "service":
@@ -79,6 +91,8 @@ def run(argv: list[str]) -> int:
     raise PluginError(f"unknown command {command!r}; try 'docker gpu --help'")
 
 
+#: Commands on one container, in ``run_cli``: command → function.
+CONTAINER_COMMANDS = {"run": "run_container", "logs": "logs", "wait": "wait", "kill": "kill", "rm": "remove"}
 USAGE = """Usage: docker gpu [--manager URL] COMMAND
 
 Commands:
@@ -87,8 +101,18 @@ Commands:
                  [docker service create options] IMAGE [CMD]
   service ps SERVICE      each replica: node, GPU, grant, usage, or why it waits
   service rm SERVICE...   (any other 'service' command is passed to 'docker service' unchanged)
-  run --gpu-memory SIZE [--gpus N] [--name NAME] [-e K=V] [-l K=V] [--node NODE] [--placement P]
-      [--priority N] [--preemptible] [--queue [--queue-timeout S]] IMAGE [CMD]
+  run --gpu-memory SIZE [--gpus N] [--node NODE] [--placement P] [--on-overrun A]
+      [--priority N] [--preemptible] [--queue [--queue-timeout S]]
+      [docker run options: -d --rm --name -e --env-file -l -v --mount --tmpfs -p --network --shm-size
+       --ipc --pid -w -u --entrypoint --cpus -m --ulimit --cap-add --device --privileged --stop-signal
+       --log-driver --log-opt] IMAGE [CMD]
+                          like 'docker run': attached, it streams the output and exits with the
+                          container's exit code (125 when docker gpu itself fails)
+  logs [-f] [--tail N] CONTAINER      its output, from whichever node runs it
+  wait CONTAINER...       block until each ends; print its exit code
+  kill [-s SIGNAL] CONTAINER...
+  rm [-f] CONTAINER...    remove (-f: even while running); its grant is freed
+                          CONTAINER: an id, a name, or a prefix of an id that only it has
   ps                      containers known to the manager
   stats [-a] [--no-stream] [--format table|json] [CONTAINER...]
                           GPU memory of live containers (-a: all), refreshed every second until Ctrl-C
@@ -131,14 +155,31 @@ class Manager:
             with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
                 return json.loads(response.read() or b"{}")
         except urllib.error.HTTPError as exc:
-            try:
-                error = json.loads(exc.read()).get("error", {})
-            except (ValueError, AttributeError):
-                error = {}
-            raise PluginError(f"{error.get('message', exc.reason)} ({error.get('code', exc.code)})") from None
+            raise _http_error(exc) from None
         except (urllib.error.URLError, OSError) as exc:
             raise PluginError(f"cannot reach the gpumgr manager at {self.url} ({exc}); "
                               "set --manager or GPUMGR_MANAGER") from None
+
+
+    def stream(self, path: str, params: dict[str, str], accept: str) -> Any:
+        """A streamed GET (no read timeout: a quiet container may say nothing for hours), for ``with``."""
+        url = self.url + path + f"?{urllib.parse.urlencode(params)}"
+        request = urllib.request.Request(url, headers={**self.headers, "Accept": accept})
+        try:
+            return urllib.request.urlopen(request)
+        except urllib.error.HTTPError as exc:
+            raise _http_error(exc) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise PluginError(f"cannot reach the gpumgr manager at {self.url} ({exc})") from None
+
+
+def _http_error(exc: urllib.error.HTTPError) -> PluginError:
+    """The manager's JSON error as one line: its message and code."""
+    try:
+        error = json.loads(exc.read()).get("error", {})
+    except (ValueError, AttributeError):
+        error = {}
+    return PluginError(f"{error.get('message', exc.reason)} ({error.get('code', exc.code)})")
 
 
 # --- service ---------------------------------------------------------------------------------
@@ -218,43 +259,6 @@ def _check_fits_somewhere(client: Manager, memory: int, count: int) -> None:
 
 
 # --- containers and nodes --------------------------------------------------------------------
-def run_container(client: Manager, argv: list[str]) -> int:
-    """``docker gpu run``: one container placed by the manager."""
-    parser = argparse.ArgumentParser(prog="docker gpu run")
-    parser.add_argument("--gpu-memory", required=True)
-    parser.add_argument("--gpus", type=int, default=1)
-    parser.add_argument("--name")
-    parser.add_argument("-e", "--env", action="append", default=[])
-    parser.add_argument("-l", "--label", action="append", default=[])
-    parser.add_argument("--node")
-    parser.add_argument("--placement", choices=["spread", "binpack"])
-    parser.add_argument("--on-overrun", choices=["kill", "stop", "report"])
-    parser.add_argument("--priority", type=int, help="higher is placed first (default and ceiling: your tenant's)")
-    parser.add_argument("--preemptible", action="store_true", help="may be stopped for a queued request of "
-                        "higher priority")
-    parser.add_argument("--queue", action="store_true", help="wait for room instead of failing with no_fit")
-    parser.add_argument("--queue-timeout", type=float, help="seconds to wait in the queue (with --queue)")
-    parser.add_argument("image")
-    parser.add_argument("command", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
-    body = {"image": args.image, "command": args.command, "gpu_memory": _memory(args.gpu_memory), "gpus": args.gpus,
-            "env": _pairs(args.env), "labels": _pairs(args.label)}
-    body.update({k: v for k, v in (("name", args.name), ("node", args.node), ("placement", args.placement),
-                                   ("on_overrun", args.on_overrun), ("queue_timeout", args.queue_timeout)) if v})
-    body.update({k: v for k, v in (("priority", args.priority),) if v is not None})
-    body.update({k: True for k, v in (("preemptible", args.preemptible), ("queue", args.queue)) if v})
-    record = client.call("POST", "/v1/containers", json_body=body)
-    if record["state"] == "queued":
-        place = record["queue"]
-        print(f"{record['id']}  queued at position {place['position']} of {place['length']} for "
-              f"{format_bytes(record['gpu_memory'])}: it starts as soon as room frees ('docker gpu ps' shows it)")
-        return 0
-    gpus = ", ".join(f"{g['index']} ({g['uuid']})" for g in record["gpus"])
-    print(f"{record['id']}  {record['state']} on {record['node']} GPU {gpus}, {format_bytes(record['gpu_memory'])}"
-          f"  container {record['container_id']}")
-    return 0
-
-
 def show_containers(client: Manager) -> int:
     """The manager's containers as a table."""
     rows = [("ID", "NAME", "TENANT", "NODE", "GPU", "GRANT", "USED", "PEAK", "STATE", "REASON")]
@@ -302,16 +306,6 @@ def _count(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise PluginError(f"--gpus must be a positive integer, not {text!r}")
     return int(text)
-
-
-def _pairs(items: list[str]) -> dict[str, str]:
-    pairs = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise PluginError(f"expected KEY=VALUE, got {item!r}")
-        pairs[key] = value
-    return pairs
 
 
 def _docker(args: list[str]) -> int:

@@ -115,3 +115,13 @@ class FakeAgent:
         elif isinstance(message, protocol.Remove):
             self.reports.pop(message.grant, None)
             self.send(protocol.Reply(ok=True, result={"grant": message.grant}), reply_to=envelope.id)
+        elif isinstance(message, protocol.Logs | protocol.Signal):
+            # a container that printed one line (and would take any signal) while its grant lives
+            if message.grant not in self.reports:
+                error = protocol.ErrorBody(code="not_found", message=f"no managed container holds {message.grant}")
+                self.send(protocol.Reply(ok=False, error=error), reply_to=envelope.id)
+                return
+            done = isinstance(message, protocol.Signal) or message.since
+            result = {"grant": message.grant} if isinstance(message, protocol.Signal) else {
+                "frames": [] if done else [[1, b"hello\n"]], "since": "1.000000000", "skip": 1, "more": False}
+            self.send(protocol.Reply(ok=True, result=result), reply_to=envelope.id)

@@ -162,3 +162,31 @@ class _Engine:
 def _grant_of(container: Any) -> str | None:
     grant: str | None = container.labels.get(Label.GRANT)
     return grant
+
+
+def model_violations(manager: Any, engines: dict[str, dict[str, tuple[str, int]]] | None = None) -> list[str]:
+    """The same invariant over an in-process manager's model (no REST, no engine calls), for generated tests.
+
+    ``manager`` is a :class:`gpumgr.manager.service.Manager`; its model's own check
+    (:meth:`gpumgr.manager.cluster.Cluster.check`: grants add up and fit, every live grant is held,
+    ended records hold nothing and have their reason and time, tenants' counts add up) comes first.
+    ``engines`` is each node's engine truth, ``{node: {grant: (state, enforced bytes)}}``: a container
+    alive on a node on the map must hold a live grant of at least the bytes its agent enforces.
+    """
+    found = list(manager.cluster.check())
+    ledger = manager.cluster.ledger
+    with ledger.lock:
+        for node, containers in (engines or {}).items():
+            if node not in ledger.nodes:
+                continue
+            for grant, (state, enforced) in containers.items():
+                if state not in ENGINE_ALIVE:
+                    continue
+                record = ledger.records.get(grant)
+                if record is None or str(record.state) not in LIVE:
+                    found.append(f"container of grant {grant} runs on {node} with no live grant "
+                                 f"({record.state if record is not None else 'unknown'})")
+                elif record.held < enforced:
+                    found.append(f"container of grant {grant} enforces {enforced} on {node}; the map holds "
+                                 f"{record.held}")
+    return found

@@ -21,7 +21,8 @@ from gpumgr.manager.clock import Clock
 from gpumgr.wire import protocol, security
 from gpumgr.wire.errors import AgentFailed, AgentTimeout
 from gpumgr.wire.link import Peer
-from gpumgr.wire.names import LIVE, State
+from gpumgr.wire.names import LIVE
+from tests.invariant import model_violations
 
 GiB = 1 << 30
 
@@ -229,21 +230,6 @@ def link_error() -> Exception:
 
 
 def engine_violations(manager: Any, agents: list[ScriptedAgent]) -> list[str]:
-    """Every container alive in an engine of a node on the map that the map does not hold enough bytes for."""
-    found = []
-    ledger = manager.cluster.ledger
-    with ledger.lock:
-        for agent in agents:
-            if agent.name not in ledger.nodes:
-                continue
-            for box in agent.engine.values():
-                if box.state not in ("running", "creating"):
-                    continue
-                record = ledger.records.get(box.grant)
-                if record is None or record.state not in (State.CREATING, State.RUNNING):
-                    found.append(f"container of grant {box.grant} runs on {agent.name} with no live grant "
-                                 f"({record.state if record else 'unknown'})")
-                elif record.held < box.gpu_memory:
-                    found.append(f"container of grant {box.grant} enforces {box.gpu_memory} on {agent.name}, the map "
-                                 f"holds {record.held}")
-    return found
+    """The invariant (``tests/invariant.py``) over the model and these scripted engines."""
+    engines = {a.name: {g: (b.state, b.gpu_memory) for g, b in a.engine.items()} for a in agents}
+    return model_violations(manager, engines)

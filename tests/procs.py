@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -37,6 +38,17 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05, what: str
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def remove_containers_of(client: Any, *nodes: str) -> None:
+    """Force-remove every container of ``nodes``; one removed meanwhile (the engine is shared) is skipped."""
+    import docker.errors
+
+    for node in nodes:
+        for container in client.containers.list(all=True, filters={"label": f"gpumgr.node={node}"},
+                                                ignore_removed=True):
+            with contextlib.suppress(docker.errors.APIError):
+                container.remove(force=True)
 
 
 def process_gone(pid: int) -> bool:

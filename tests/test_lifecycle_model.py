@@ -40,6 +40,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         config = ManagerSettings(state_dir=self.folder, heartbeat_interval=1.0, heartbeat_liveness=3,
                                  create_timeout=10.0, remove_timeout=6.0, forget_after=600.0)
         self.manager = Manager(config, link=self.link, clock=self.clock)
+        counter = iter(range(1, 1 << 30))
+        self.manager.cluster.new_id = lambda: f"r{next(counter):06d}"  # replays draw the same ids
         self.agents = [ScriptedAgent(self.manager, f"n{i}", gpus, size * GiB) for i in range(nodes)]
         for agent in self.agents:
             agent.register()
@@ -178,7 +180,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(data=st.data(), code=st.integers(0, 2))
     def container_exits(self, data: st.DataObject, code: int) -> None:
         agent = data.draw(st.sampled_from(self.agents), "node")
-        running = sorted(g for g, b in agent.engine.items() if b.state == "running")
+        running = [g for g, b in agent.engine.items() if b.state == "running"]
         if agent.up and running:
             agent.exit(data.draw(st.sampled_from(running), "container"), code)
 
@@ -199,8 +201,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     @invariant()
     def the_invariant_holds(self) -> None:
         if hasattr(self, "manager"):
-            assert self.manager.cluster.check() == []
-            assert engine_violations(self.manager, self.agents) == []
+            assert engine_violations(self.manager, self.agents) == []  # tests/invariant.py, model and engines
 
     def teardown(self) -> None:
         if hasattr(self, "manager"):

@@ -33,7 +33,9 @@ from gpumgr.manager.scheduler import FreeIndex, GpuSlot, Placement, Request, pla
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.errors import GpumgrError, NoAgents, NoFit, ProtocolError
 from gpumgr.wire.names import LIVE, State
+from gpumgr.wire.policy import Policy  # issue 19
 from gpumgr.wire.protocol import ContainerReport, GpuInfo, GpuSample
+from gpumgr.wire.runspec import RunSpec  # issue 19
 
 U = 1 << 30  # one GiB: sizes are small multiples of it, so exact fits and ties are common
 MAX_BYTES = 2**63 - 1  # the largest size parse_bytes takes: a signed 64-bit integer, as msgpack and clients carry
@@ -398,11 +400,25 @@ any_values = st.recursive(leaves, lambda inner: st.lists(inner, max_size=3)
                           | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
 
 
+#: issue 19: the container spec and policy, as examples (their fields' own validators decide what is valid)
+WIRE_EXAMPLES: dict[Any, list[Any]] = {
+    RunSpec: [RunSpec(), RunSpec.model_validate({"volumes": ["/data:/d:ro", "v:/v"], "ports": {"80": ["::1", None]},
+                                                 "shm_size": "1g", "ulimits": [{"name": "memlock", "soft": -1}],
+                                                 "log_config": {"type": "local", "config": {"max-size": "1m"}}})],
+    Policy: [Policy(), Policy(bind_paths={"/data": "ro"}, cap_add=["ALL"], privileged=True)],
+}
+
+
 def strategy_for(annotation: Any, metadata: list[Any] | tuple[Any, ...] = ()) -> st.SearchStrategy[Any]:
     """Values of a pydantic field's type that satisfy its constraints (Ge/Gt/Le/Lt, MinLen/MaxLen)."""
     bound = {name: getattr(m, name) for m in metadata for name in ("ge", "gt", "le", "lt", "min_length", "max_length")
              if getattr(m, name, None) is not None}
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation in WIRE_EXAMPLES:  # issue 19: models whose fields carry validators of their own
+        return st.sampled_from(WIRE_EXAMPLES[annotation])
+    pattern = next((m.pattern for m in metadata if getattr(m, "pattern", None)), None)  # issue 19
+    if annotation is str and pattern is not None:  # issue 19
+        return st.from_regex(pattern, fullmatch=True).filter(lambda s: len(s) <= bound.get("max_length", 64))
     if annotation is Any:
         return any_values
     if annotation is type(None):

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.errors import ProtocolError
+from gpumgr.wire.policy import Policy
+from gpumgr.wire.runspec import RunSpec
 
 REPORT = protocol.ContainerReport(grant="g1", container_id="c" * 64, name="n", image="img", command=["a", "b"],
                                   gpus=["GPU-1"], gpu_memory=1 << 30, state="running", usage={"GPU-1": 5},
@@ -27,6 +29,12 @@ EXAMPLES = [
                                                             usage={"GPU-1": 5})]),
     protocol.Reregister(),
     protocol.Create(spec=SPEC),
+    protocol.Create(spec=SPEC.model_copy(update={"run": RunSpec.model_validate(
+        {"volumes": ["/data:/data:ro"], "ports": {"80/tcp": ["127.0.0.1", 8080]}, "shm_size": "1g",
+         "ulimits": [{"name": "memlock", "soft": -1}], "entrypoint": ["sh", "-c"]}),
+        "policy": Policy(bind_paths={"/data": "ro"})})),
+    protocol.Logs(grant="g1", since="1700000000.123456789", skip=2, tail=10),
+    protocol.Signal(grant="g1", signal="SIGINT"),
     protocol.Remove(grant="g1", stop_grace=2.0),
     protocol.Resize(grant="g1", gpu_memory=8 << 30),
     protocol.ContainerEvent(node="n1", container=REPORT, detail={"observed": 7}),
@@ -35,6 +43,7 @@ EXAMPLES = [
     protocol.Join(node="n1", proof="0" * 64),
     protocol.Refused(code="gpu_conflict", message="GPU-1 is held by node n2"),
     protocol.Reply(ok=True, result={"x": 1}),
+    protocol.Reply(ok=True, result={"frames": [[1, b"out\n"], [2, b"\xff err"]], "since": "", "skip": 0}),
     protocol.Reply(ok=False, error=protocol.ErrorBody(code="agent_failed", message="no image")),
 ]
 

@@ -346,7 +346,7 @@ def test_docker_gpu_run_passes_priority_preemptible_and_queue(stack, test_image,
     operator, alice, _ = clients(manager)
     monkeypatch.setenv("GPUMGR_TOKEN", ALICE)
     blocker = operator.create(test_image, "6GiB").json()["id"]
-    status = docker_gpu.main(["gpu", "--manager", manager.url, "run", "--gpu-memory", "5GiB", "--priority", "4",
+    status = docker_gpu.main(["gpu", "--manager", manager.url, "run", "-d", "--gpu-memory", "5GiB", "--priority", "4",
                               "--preemptible", "--queue", "--queue-timeout", "600", test_image, "sleep", "60"])
     assert status == 0
     printed = capsys.readouterr().out
@@ -357,7 +357,7 @@ def test_docker_gpu_run_passes_priority_preemptible_and_queue(stack, test_image,
     assert "queued #1" in capsys.readouterr().out
     refused = docker_gpu.main(["gpu", "--manager", manager.url, "run", "--gpu-memory", "1GiB", "--priority", "9",
                                test_image, "true"])
-    assert refused == 1 and "priority_not_allowed" in capsys.readouterr().err
+    assert refused == 125 and "priority_not_allowed" in capsys.readouterr().err  # docker run's own failure code
     operator.call("DELETE", f"/v1/containers/{blocker}")
     wait_state(alice, record["id"], "running")
 

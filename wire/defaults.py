@@ -128,3 +128,13 @@ HOOK_QUEUE_TIMEOUT = HOOK_QUEUE_WAIT - 2 * HOOK_TIMEOUT
 #: Spec used by ``--gpus auto`` when no NVIDIA driver answers.
 SIM_SPEC = "sim:2x24GiB"
 PLACEMENT: Final = "spread"
+
+# --- a container's output and end (issue 19) -------------------------------------------------
+#: Most bytes of output one logs reply carries (each line at most MAX_FIELD_BYTES, as Docker splits at 16 KiB).
+LOGS_CHUNK = 1024 * 1024
+#: Most frames one logs reply carries (lines of one stream in a row travel joined, up to MAX_FIELD_BYTES a frame).
+LOGS_LINES = MAX_ITEMS // 2
+#: How often a followed container's node is asked for more output while it has none.
+LOGS_POLL = 0.25
+#: Longest single ``POST /v1/containers/{id}/wait``; a client waiting longer asks again.
+WAIT_MAX = 600.0

@@ -104,3 +104,32 @@ class RuntimeFailure(GpumgrError):
     """The agent's runtime (Docker or host processes) refused an operation."""
 
     code = "runtime_failed"
+
+
+class PolicyDenied(GpumgrError):
+    """The operator's policy does not allow what the request asks for; ``rule`` names the policy entry to change."""
+
+    code = "policy_denied"
+    status = 403
+    #: how the agent writes the rule into its reply's message, so the manager can read it back
+    MARK = " (rule {rule})"
+
+    def __init__(self, message: str, *, rule: str) -> None:
+        super().__init__(message)
+        self.rule = rule
+
+    def to_dict(self) -> dict[str, str]:
+        """The JSON error body, with the policy rule that refused the request."""
+        return {**super().to_dict(), "rule": self.rule}
+
+    def wire_message(self) -> str:
+        """The message with its rule, for the link's error shape (``code`` and ``message`` only)."""
+        return self.message + self.MARK.format(rule=self.rule)
+
+    @classmethod
+    def from_wire(cls, message: str) -> PolicyDenied:
+        """Read back what :meth:`wire_message` wrote (from an agent's reply)."""
+        text, sep, rule = message.rpartition(" (rule ")
+        if sep and rule.endswith(")"):
+            return cls(text, rule=rule[:-1])
+        return cls(message, rule="unknown")

@@ -17,6 +17,8 @@ from gpumgr.wire import defaults, envelope
 from gpumgr.wire.envelope import VERSION, new_id
 from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.errors import ProtocolError
+from gpumgr.wire.policy import Policy
+from gpumgr.wire.runspec import SIGNAL, RunSpec
 
 __all__ = ["VERSION", "ProtocolError", "decode", "encode", "new_id"]
 _REGISTRY: dict[str, type[Message]] = {}
@@ -117,6 +119,10 @@ class ContainerSpec(_Model):
     tenant: str = ""
     priority: int = 0
     preemptible: bool = False
+    #: mounts, ports, namespaces, limits: how it runs beyond its GPUs (None: as the node's defaults)
+    run: RunSpec | None = None
+    #: what the tenant may ask for; the node checks ``run`` against it again (None: the operator's request)
+    policy: Policy | None = None
 
 
 class Join(Message):
@@ -198,6 +204,35 @@ class Resize(Message):
     TYPE: ClassVar[str] = "resize"
     grant: str
     gpu_memory: int = Field(gt=0)
+
+
+class Logs(Message):
+    """Manager → agent: the next piece of the output of the container holding ``grant``; answered by a Reply.
+
+    The manager keeps the cursor: ``since`` is the engine's timestamp (``seconds.nanoseconds``) of the
+    last line it has, and ``skip`` how many lines at exactly that time it has. The reply's result is
+    ``{frames: [[stream, bytes], ...], since, skip, more}`` (stream 1 stdout, 2 stderr), at most
+    ``limit`` bytes; ``tail`` (first call only) starts that many lines from the end.
+    """
+
+    TYPE: ClassVar[str] = "logs"
+    grant: str = Field(min_length=1, max_length=64)
+    since: str = Field(default="", max_length=32, pattern=r"^([0-9]{1,12}\.[0-9]{9})?$")
+    skip: int = Field(default=0, ge=0, le=defaults.MAX_ITEMS)
+    #: only the last this many lines (first request only); -1: all
+    tail: int = Field(default=-1, ge=-1, le=defaults.MAX_ITEMS)
+    limit: int = Field(default=defaults.LOGS_CHUNK, gt=0, le=defaults.LOGS_CHUNK)
+    #: one reader following the container: the node keeps the engine's follow stream open between requests,
+    #: and its result adds ``ended`` once the container stopped and everything was read
+    session: str = Field(default="", max_length=64)
+
+
+class Signal(Message):
+    """Manager → agent: send ``signal`` to the container holding ``grant`` (``docker kill``); answered by a Reply."""
+
+    TYPE: ClassVar[str] = "signal"
+    grant: str = Field(min_length=1, max_length=64)
+    signal: str = Field(pattern=SIGNAL.pattern, max_length=20)
 
 
 class ContainerEvent(Message):
