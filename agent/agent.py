@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -124,7 +125,7 @@ class Agent:
         if not self.registered.is_set() and now >= self._next_register:
             if self.managers.unanswered():
                 self._move_on("it did not answer this node's registration")
-            self._next_register = now + self._backoff
+            self._next_register = now + jittered(max(self._backoff, defaults.ANSWER_WAIT))
             self._backoff = min(self._backoff * 2, defaults.RECONNECT_MAX)
             self.link.send(MANAGER, self._register_message())
         if self.registered.is_set() and now >= self._next_beat:
@@ -141,7 +142,7 @@ class Agent:
                        "that the token was printed by that manager (its key is in the token)")
         elif not self._joining and self._join is not None:
             self._joining = True
-            future = self.link.request_async(MANAGER, self._join, self._backoff)
+            future = self.link.request_async(MANAGER, self._join, jittered(max(self._backoff, defaults.ANSWER_WAIT)))
             future.add_done_callback(self._joined)
         return self._backoff
 
@@ -304,6 +305,11 @@ class Agent:
             log.exception("command failed")
             reply = protocol.Reply(ok=False, error=protocol.ErrorBody(code="runtime_failed", message=str(exc)))
         self.link.send(MANAGER, reply, reply_to=request_id)
+
+
+def jittered(seconds: float) -> float:
+    """``seconds`` scaled by a random factor in [0.5, 1.5): a rack of agents retrying does not retry in step."""
+    return seconds * (0.5 + random.random())  # spreading retries, not a secret
 
 
 def _newest_ends(managed: list[Managed], keep: int) -> list[Managed]:

@@ -7,7 +7,9 @@ mode ``none``) as child processes on free loopback ports (``bench.harness.stack`
   A  gpumgr:  POST /v1/containers {image, command: sleep 300, gpu_memory: 1GiB}  -> 201 (running)
   B  bare:    docker.from_env().containers.run(image, ["sleep", "300"], detach=True, network_mode="none")
   C  agent-equivalent (reference, --no-equivalent drops it): the Docker calls the agent makes,
-     containers.create(...) + start() + reload(), from this process
+     api.create_container(...) + api.start(), from this process
+  D  agent-before (reference, dropped with C): the calls it made before, containers.create(...)
+     (create + inspect) + start() + reload() (inspect)
 
 Only the call is timed; each container is removed right after its trial, outside the timed part
 (DELETE for A, ``remove(force=True)`` for B and C). ``sleep`` as PID 1 ignores SIGTERM, so by default
@@ -34,7 +36,7 @@ import docker.errors
 from bench.harness import IMAGE, Stack, median, save, stack, summary, table
 
 NAMES = {"gpumgr": "A gpumgr POST -> 201", "bare": "B docker-py containers.run",
-         "agent_equivalent": "C create+start+reload (agent's calls)"}
+         "agent_equivalent": "C create+start (agent's calls)", "agent_before": "D create+inspect+start+inspect"}
 
 
 class Trials:
@@ -69,6 +71,16 @@ class Trials:
         return dt
 
     def equivalent(self) -> float:
+        api = self.client.api
+        t0 = time.perf_counter()
+        created = api.create_container(self.args["image"], self.args["command"], detach=True, labels=self.s.labels,
+                                       host_config=api.create_host_config(network_mode="none"))
+        api.start(created["Id"])
+        dt = time.perf_counter() - t0
+        api.remove_container(created["Id"], force=True)
+        return dt
+
+    def before(self) -> float:
         t0 = time.perf_counter()
         container = self.client.containers.create(**self.args)
         container.start()
@@ -83,7 +95,8 @@ def run(args: argparse.Namespace, arms: list[str]) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {a: [] for a in arms}
     with stack(name="bench-rest") as s:
         trials = Trials(s, args.plain_delete)
-        calls = {"gpumgr": trials.gpumgr, "bare": trials.bare, "agent_equivalent": trials.equivalent}
+        calls = {"gpumgr": trials.gpumgr, "bare": trials.bare, "agent_equivalent": trials.equivalent,
+                 "agent_before": trials.before}
         for i in range(args.warmup + args.pairs):
             for arm in arms:
                 dt = calls[arm]()
@@ -101,13 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=30, help="timed rounds (each runs every arm once)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--settle", type=float, default=0.2, help="seconds of rest after each trial's cleanup")
-    parser.add_argument("--no-equivalent", action="store_true", help="leave out arm C")
+    parser.add_argument("--no-equivalent", action="store_true", help="leave out arms C and D")
     parser.add_argument("--plain-delete", action="store_true", help="DELETE without killing first (5 s each)")
     parser.add_argument("--target", type=float, default=1.10, help="target median ratio gpumgr/bare")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
 
-    times = run(args, ["gpumgr", "bare"] + ([] if args.no_equivalent else ["agent_equivalent"]))
+    times = run(args, ["gpumgr", "bare"] + ([] if args.no_equivalent else ["agent_equivalent", "agent_before"]))
     stats: dict[str, dict[str, Any]] = {
         a: {f"{k}_ms": s[k] for k in ("median", "p90", "min", "max")} | {"samples_ms": [x * 1000 for x in v]}
         for a, v in times.items() for s in [summary(v, 1000)]}
@@ -121,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
           f"target <= {args.target:.2f} -> {'MET' if met else 'MISSED'}")
     if "agent_equivalent" in stats:
         print(f"median ratio A/C = {stats['gpumgr']['median_ms'] / stats['agent_equivalent']['median_ms']:.3f}, "
-              f"C/B = {stats['agent_equivalent']['median_ms'] / stats['bare']['median_ms']:.3f}")
+              f"C/B = {stats['agent_equivalent']['median_ms'] / stats['bare']['median_ms']:.3f}, "
+              f"D/B = {stats['agent_before']['median_ms'] / stats['bare']['median_ms']:.3f}")
     save(args.json, "rest_overhead", args, results=stats, median_ratio=ratio, median_paired_ratio=paired,
          target_ratio=args.target, target_met=met)
     return 0

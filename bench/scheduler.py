@@ -5,25 +5,35 @@ Builds ``manager.cluster.Cluster`` with ``--nodes`` nodes of ``--gpus`` GPUs eac
 ``finish(cid, State.EXITED)`` (one decision = one place + one release, with the event log and the
 bounded list of finished records doing their real work) for ``spread`` and ``binpack``, interleaved,
 ``--reps`` times each. The pure ``manager.scheduler.place`` rate on the same index is reported for
-reference, and so are the multi-GPU path (``gpus > 1``), which scans every node, and the cost of one
-node's heartbeat (8 GPU samples, no container reports) on the same map.
+reference, and so are the multi-GPU path (``gpus`` 2 and 4, any node), and the cost of one node's
+heartbeat (8 GPU samples, no container reports) on the same map.
 
-    python bench/scheduler.py [--nodes 1000] [--gpus 8] [--fill 0.8] [--reps 7] [--seconds 1.0] [--json out.json]
+``--against REV`` times the scheduler module of git revision ``REV`` (``manager/scheduler.py`` as it
+was there) side by side in the same process: a second map is built with it, the same seeds, and every
+measurement alternates between the two, so the ratios are of one run on one machine.
+
+    python bench/scheduler.py [--nodes 1000] [--gpus 8] [--fill 0.8] [--reps 7] [--seconds 1.0]
+                              [--against main] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
+import subprocess
 import sys
 import time
+import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import GiB, median, save, table
+from bench.harness import ROOT, GiB, median, save, table
+from gpumgr.manager import scheduler as new_scheduler
 from gpumgr.manager.cluster import Cluster, PlacementSpec, State
-from gpumgr.manager.scheduler import Placement, Request, place
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import NoFit
 from gpumgr.wire.protocol import GpuInfo, GpuSample
@@ -75,13 +85,45 @@ def time_reserve_release(cluster: Cluster, specs: list[PlacementSpec], seconds: 
             return n, now - start
 
 
-def _index_of(cluster: Cluster) -> object:
+def load_scheduler(rev: str) -> types.ModuleType:
+    """``manager/scheduler.py`` as it was at git revision ``rev``, as a module of its own."""
+    source = subprocess.run(["git", "show", f"{rev}:manager/scheduler.py"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout
+    module = types.ModuleType(f"scheduler_at_{rev}")
+    module.__dict__["__name__"] = module.__name__
+    sys.modules[module.__name__] = module  # dataclasses look their module up while the class is built
+    exec(compile(source, f"{rev}:manager/scheduler.py", "exec"), module.__dict__)
+    return module
+
+
+@contextlib.contextmanager
+def using(module: types.ModuleType) -> Iterator[None]:
+    """Make the cluster map build and consult its free index with ``module``'s scheduler meanwhile.
+
+    Every manager module that imported one of the scheduler's names (the map, its ledger, the
+    dispatcher, ...) gets ``module``'s instead, and its own back afterwards.
+    """
+    names = ("FreeIndex", "Placement", "Request", "place")
+    saved = []
+    for mod in [m for n, m in list(sys.modules.items()) if n.startswith("gpumgr.manager.") and m is not new_scheduler]:
+        for name in names:
+            if getattr(mod, name, None) is getattr(new_scheduler, name):
+                saved.append((mod, name))
+                setattr(mod, name, getattr(module, name))
+    try:
+        yield
+    finally:
+        for mod, name in saved:
+            setattr(mod, name, getattr(new_scheduler, name))
+
+
+def _index_of(cluster: Cluster) -> Any:
     """The map's free index (the ledger's; ``_index`` on the map before the cluster was split by idea)."""
     ledger = getattr(cluster, "ledger", None)
     return ledger.index if ledger is not None else cluster._index  # type: ignore[attr-defined]
 
 
-def time_place(cluster: Cluster, requests: list[Request], seconds: float) -> tuple[int, float]:
+def time_place(cluster: Cluster, requests: list, seconds: float, place: Callable) -> tuple[int, float]:
     """Run the pure ``place()`` over ``requests`` (cycled) on the cluster's index; return (decisions, elapsed)."""
     n, k, index = 0, len(requests), _index_of(cluster)
     start = time.perf_counter()
@@ -111,6 +153,41 @@ def time_heartbeat(cluster: Cluster, nodes: int, gpus: int, seconds: float) -> t
             return n, now - start
 
 
+def measure(cluster: Cluster, module: types.ModuleType, args: argparse.Namespace,
+            rates: dict[str, list[float]], label: str) -> None:
+    """One repetition of every measurement on ``cluster`` with ``module``'s scheduler, into ``rates``."""
+    rng = random.Random(args.seed + 1)
+    sizes = [rng.choice(MIX_GIB) * GiB for _ in range(997)]
+    counts = [2, 4] * 500
+    for p in ("spread", "binpack"):  # interleaved, so drift and noise hit both alike
+        single = [PlacementSpec(memory=m, count=1, placement=p, image="img", command=["sleep", "300"]) for m in sizes]
+        multi = [PlacementSpec(memory=m, count=c, placement=p, image="img", command=["sleep", "300"])
+                 for m, c in zip(sizes, counts, strict=False)]
+        requests = [module.Request(m, 1, None, module.Placement(p)) for m in sizes]
+        multi_requests = [module.Request(m, c, None, module.Placement(p)) for m, c in zip(sizes, counts, strict=False)]
+        with using(module):
+            n, dt = time_reserve_release(cluster, single, args.seconds)
+            rates.setdefault(f"{label}reserve+finish {p}", []).append(n / dt)
+            n, dt = time_place(cluster, requests, args.seconds / 2, module.place)
+            rates.setdefault(f"{label}place() only {p}", []).append(n / dt)
+            n, dt = time_reserve_release(cluster, multi, args.multi_seconds)
+            rates.setdefault(f"{label}reserve+finish {p} gpus=2|4", []).append(n / dt)
+            n, dt = time_place(cluster, multi_requests, args.multi_seconds, module.place)
+            rates.setdefault(f"{label}place() only {p} gpus=2|4", []).append(n / dt)
+    with using(module):
+        n, dt = time_heartbeat(cluster, args.nodes, args.gpus, args.multi_seconds)
+    rates.setdefault(f"{label}heartbeat() of one node", []).append(n / dt)
+
+
+def spread_of_ties(module: types.ModuleType, nodes: int, gpus: int, requests: int) -> int:
+    """How many nodes ``requests`` two-GPU spread requests land on, on a map of empty nodes."""
+    with using(module):
+        cluster, _ = build(nodes, gpus, 80, 0.0, 1)
+        used = {cluster.reserve(PlacementSpec(memory=GiB, count=2, placement="spread", image="img",
+                                              command=["sleep", "300"])).node for _ in range(requests)}
+    return len(used)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=1000)
@@ -122,52 +199,53 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--multi-seconds", type=float, default=0.5, help="length of one multi-GPU repetition")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--target", type=float, default=50_000, help="place+release/s target")
+    parser.add_argument("--against", metavar="REV", help="also time the scheduler of this git revision, side by side")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
 
-    t0 = time.perf_counter()
-    cluster, filled = build(args.nodes, args.gpus, args.gpu_size, args.fill, args.seed)
-    build_s = time.perf_counter() - t0
-    live = len(cluster.containers(state="creating"))
-    print(f"map: {args.nodes} nodes x {args.gpus} GPUs x {args.gpu_size} GiB, {filled:.1%} reserved by "
-          f"{live} live grants (built in {build_s:.1f}s); FINISHED_KEPT={defaults.FINISHED_KEPT}")
-
-    rng = random.Random(args.seed + 1)
-    sizes = [rng.choice(MIX_GIB) * GiB for _ in range(997)]
-    specs = {p: [PlacementSpec(memory=m, count=1, placement=p, image="img", command=["sleep", "300"])
-                 for m in sizes] for p in ("spread", "binpack")}
-    multi = {p: [PlacementSpec(memory=m, count=c, placement=p, image="img", command=["sleep", "300"])
-                 for m, c in zip(sizes, [2, 4] * 500, strict=False)] for p in ("spread", "binpack")}
-    requests = {p: [Request(m, 1, None, Placement(p)) for m in sizes] for p in ("spread", "binpack")}
-
-    # warm-up: fills the finished-record list to FINISHED_KEPT so the timed loops pay for forgetting
-    for p in ("spread", "binpack"):
-        time_reserve_release(cluster, specs[p], 0.2)
+    variants: list[tuple[str, types.ModuleType]] = [("", new_scheduler)]
+    if args.against:
+        variants = [("before ", load_scheduler(args.against)), ("after ", new_scheduler)]
+    maps = {}
+    for label, module in variants:
+        t0 = time.perf_counter()
+        with using(module):
+            maps[label], filled = build(args.nodes, args.gpus, args.gpu_size, args.fill, args.seed)
+        live = len(maps[label].containers(state="creating"))
+        print(f"{label}map: {args.nodes} nodes x {args.gpus} GPUs x {args.gpu_size} GiB, {filled:.1%} reserved by "
+              f"{live} live grants (built in {time.perf_counter() - t0:.1f}s); FINISHED_KEPT={defaults.FINISHED_KEPT}")
+        with using(module):  # warm-up: fills the finished-record list so the timed loops pay for forgetting
+            for p in ("spread", "binpack"):
+                spec = PlacementSpec(memory=GiB, count=1, placement=p, image="img", command=["sleep", "300"])
+                time_reserve_release(maps[label], [spec], 0.2)
 
     rates: dict[str, list[float]] = {}
     for rep in range(args.reps):
-        for p in ("spread", "binpack"):  # interleaved, so drift and noise hit both alike
-            n, dt = time_reserve_release(cluster, specs[p], args.seconds)
-            rates.setdefault(f"reserve+finish {p}", []).append(n / dt)
-            n, dt = time_place(cluster, requests[p], args.seconds / 2)
-            rates.setdefault(f"place() only {p}", []).append(n / dt)
-            n, dt = time_reserve_release(cluster, multi[p], args.multi_seconds)
-            rates.setdefault(f"reserve+finish {p} gpus=2|4", []).append(n / dt)
-        n, dt = time_heartbeat(cluster, args.nodes, args.gpus, args.multi_seconds)
-        rates.setdefault("heartbeat() of one node", []).append(n / dt)
+        for label, module in variants if rep % 2 == 0 else variants[::-1]:  # who goes first alternates
+            measure(maps[label], module, args, rates, label)
         print(f"  rep {rep + 1}/{args.reps} done", file=sys.stderr)
 
-    after = _index_of(cluster)
-    still = sum(s.reserved for _, s in after.by_free) / (args.nodes * args.gpus * args.gpu_size * GiB)
     rows = [{"name": name, "median_per_s": median(values), "min_per_s": min(values), "max_per_s": max(values),
              "us_per_op": 1e6 / median(values), "samples": values} for name, values in rates.items()]
-    table([("measurement", "34"), ("median/s", "12,.0f"), ("min/s", "12,.0f"), ("max/s", "12,.0f"), ("us/op", "8.2f")],
+    table([("measurement", "42"), ("median/s", "12,.0f"), ("min/s", "12,.0f"), ("max/s", "12,.0f"), ("us/op", "9.2f")],
           [[r["name"], r["median_per_s"], r["min_per_s"], r["max_per_s"], r["us_per_op"]] for r in rows], lead="\n")
-    worst = min(median(rates[f"reserve+finish {p}"]) for p in ("spread", "binpack"))
+    ratios = {}
+    if args.against:
+        names = [name.removeprefix("after ") for name in rates if name.startswith("after ")]
+        ratios = {name: median(rates[f"after {name}"]) / median(rates[f"before {name}"]) for name in names}
+        table([("after / before (medians, same run)", "42"), ("ratio", "10.2f")],
+              [[name, ratio] for name, ratio in ratios.items()], lead="\n")
+        ties = {label.strip(): spread_of_ties(module, args.nodes, args.gpus, 200) for label, module in variants}
+        print(f"\n200 two-GPU spread requests on {args.nodes} empty nodes land on: "
+              + ", ".join(f"{n} nodes ({label})" for label, n in ties.items()))
+    last = variants[-1][0]
+    after = _index_of(maps[last])
+    still = sum(s.reserved for _, s in after.by_free) / (args.nodes * args.gpus * args.gpu_size * GiB)
+    worst = min(median(rates[f"{last}reserve+finish {p}"]) for p in ("spread", "binpack"))
     met = worst >= args.target
     print(f"\nreserved after timing: {still:.1%}; target >= {args.target:,.0f} place+release/s "
           f"(single-GPU mix, worse placement): {worst:,.0f}/s -> {'MET' if met else 'MISSED'}")
-    save(args.json, "scheduler", args, fill_before=filled, fill_after=still, live_grants=live, results=rows,
+    save(args.json, "scheduler", args, fill_after=still, results=rows, ratios=ratios,
          target_per_s=args.target, worst_single_gpu_median_per_s=worst, target_met=met)
     return 0
 

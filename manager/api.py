@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from gpumgr.manager.lookup import resolve
+from gpumgr.manager.nodes_cache import NodesCache
 from gpumgr.manager.policy import admit
 from gpumgr.manager.records import Container, PlacementSpec
 from gpumgr.manager.service import Manager
@@ -249,7 +250,7 @@ def lookup(ref: str) -> Container:
 def list_nodes() -> Response:
     """The machine × GPU map (a tenant sees every figure, but only its own containers' ids)."""
     if principal().operator:
-        return Response(manager().cluster.nodes_json(), mimetype="application/json")
+        return cast(NodesCache, current_app.extensions["gpumgr.nodes"]).response(request)
     return jsonify({"nodes": manager().cluster.nodes_view(principal())})
 
 

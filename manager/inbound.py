@@ -78,14 +78,17 @@ class Inbound:
         return node
 
     def _join(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Join) -> None:
-        try:
-            self.manager.admission.admit(peer.key, message.node, message.proof)
-        except GpumgrError as exc:
-            log.warning("refused an agent joining as node %s: %s", message.node, exc.message)
-            reply = protocol.Reply(ok=False, error=protocol.ErrorBody(code=exc.code, message=exc.message))
-        else:
-            reply = protocol.Reply(ok=True, result={"node": message.node})
-        self.link.send(peer.routing_id, reply, reply_to=envelope.id)
+        """Admit the sender; answered once its binding is stored, which a writer thread does for many at once."""
+
+        def settled(exc: GpumgrError | None) -> None:
+            if exc is not None:
+                log.warning("refused an agent joining as node %s: %s", message.node, exc.message)
+                reply = protocol.Reply(ok=False, error=protocol.ErrorBody(code=exc.code, message=exc.message))
+            else:
+                reply = protocol.Reply(ok=True, result={"node": message.node})
+            self.link.send(peer.routing_id, reply, reply_to=envelope.id)
+
+        self.manager.admission.admit_later(peer.key, message.node, message.proof, settled)
 
     def _register(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Register) -> None:
         try:

@@ -53,6 +53,9 @@ def _router_options(sock: zmq.Socket[bytes], keys: security.KeyPair) -> None:
     """CURVE on every frame; a send to an agent that is gone fails at once instead of queueing for nobody."""
     security.serve_curve(sock, keys)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    # a rack powering on connects all at once: with ZeroMQ's backlog of 100 the kernel drops the
+    # SYNs beyond it and those agents retry a second later (the kernel caps this at somaxconn)
+    sock.setsockopt(zmq.BACKLOG, defaults.LINK_BACKLOG)
     # agents reconnect under a fresh routing id; a stale one should not hold a send for long
     sock.setsockopt(zmq.SNDTIMEO, 0)
 

@@ -56,6 +56,11 @@ class Store(ABC):
     def bind(self, node: str, key: str) -> None:
         """Bind ``node`` to ``key`` (replacing any binding it had)."""
 
+    def bind_many(self, bindings: dict[str, str]) -> None:
+        """Bind every node of ``bindings`` to its key; a backend that can, in one durable write."""
+        for node, key in bindings.items():
+            self.bind(node, key)
+
     @abstractmethod
     def forget(self, node: str) -> bool:
         """Drop ``node``'s binding; False if it had none."""
@@ -119,6 +124,11 @@ class FileStore(Store):
         """Rewrite ``nodes.json`` with ``node`` bound to ``key``."""
         with self._lock:
             self._save_nodes({**self.nodes(), node: key})
+
+    def bind_many(self, bindings: dict[str, str]) -> None:
+        """Rewrite ``nodes.json`` once with every node of ``bindings`` bound to its key (one fsync for all)."""
+        with self._lock:
+            self._save_nodes({**self.nodes(), **bindings})
 
     def forget(self, node: str) -> bool:
         """Rewrite ``nodes.json`` without ``node``."""

@@ -12,6 +12,7 @@ engines' truth: a container alive on a node on the map always holds at least its
 from __future__ import annotations
 
 import itertools
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,7 +123,24 @@ class ScriptedAgent:
     def _join(self) -> None:
         secret = self.manager.admission.join_secret()
         proof = security.join_proof(secret, self.key, self.name)
-        self._say(protocol.Join(node=self.name, proof=proof))
+        envelope, message = protocol.decode(protocol.encode(protocol.Join(node=self.name, proof=proof)))
+        self.manager.inbound.on_message(Peer(self.routing_id, self.key), envelope, message)
+        self._await_join_answer()
+        self._obey()
+
+    def _await_join_answer(self) -> None:
+        """Take the join's answer, as an agent does before it registers: it comes once the binding is stored,
+        from the admission's writer thread, so wait for it here (the rest of the model stays deterministic)."""
+        sent = self.manager.link.sent
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            answer = next((i for i, (peer, message) in enumerate(list(sent))
+                           if peer == self.routing_id and isinstance(message, protocol.Reply)), None)
+            if answer is not None:
+                del sent[answer]
+                return
+            time.sleep(0.001)
+        raise AssertionError(f"node {self.name}'s join was never answered")
 
     def _say(self, message: protocol.Message) -> None:
         envelope, message = protocol.decode(protocol.encode(message))  # what crosses the wire, as it arrives

@@ -61,6 +61,13 @@ JOIN_TIMEOUT = 30.0
 #: Agent reconnect backoff: starts small, doubles, capped.
 RECONNECT_MIN = 0.1
 RECONNECT_MAX = 5.0
+#: How long an agent waits for the manager to answer a Join or a Register it could send before asking
+#: again (then doubling, capped at RECONNECT_MAX, each wait jittered): a manager admitting a whole rack
+#: at once answers in well under this, and asking sooner only adds duplicates to its queue.
+ANSWER_WAIT = 0.5
+
+#: Connections the manager's link lets wait to be accepted (ZeroMQ's default is 100): a whole rack.
+LINK_BACKLOG = 2048
 
 #: Bounds on what a peer may make us allocate; a message over them is a ProtocolError.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -88,6 +95,11 @@ ENDED_REPORTED_FOR = 30 * HEARTBEAT_INTERVAL
 NODE_FORGET_AFTER = 24 * 3600.0
 #: A hook-granted container must show up in its node's reports within this long, or its grant is released.
 HOOK_CONFIRM = HOOK_WAIT + 3 * HEARTBEAT_INTERVAL
+
+#: The manager's collector thresholds (young, middle, old; Python's are 700, 10, 10) and GIL hand-over
+#: interval (Python's is 5 ms): see ``gpumgr.cli.tune_for_latency``.
+GC_THRESHOLD = (20_000, 20, 50)
+SWITCH_INTERVAL = 0.002
 
 #: ``GET /v1/nodes`` serves a cached map this old at most while no grant or node changed.
 MAP_MAX_AGE = 0.5
