@@ -22,6 +22,14 @@ from gpumgr.wire.protocol import GpuInfo
 log = logging.getLogger(__name__)
 
 
+class Wake(threading.Event):
+    """The dispatcher's wake-up: setting it when already set costs no lock (it is set on every release)."""
+
+    def set(self) -> None:
+        if not self.is_set():
+            super().set()
+
+
 class Ledger:
     """Nodes × GPUs × grants under one lock; no I/O, no events (the lifecycle writes those)."""
 
@@ -35,7 +43,7 @@ class Ledger:
         #: grows with every change of a grant or a node: cached views compare it
         self.version = 0
         #: set whenever room may have freed or the queue changed: the dispatcher wakes on it
-        self.wake = threading.Event()
+        self.wake = Wake()
         self._finished: deque[str] = deque()
         #: live preemptible records: preemption is only planned while there are some
         self.preemptible: set[str] = set()

@@ -188,9 +188,7 @@ class Lifecycle:
         """``op`` is over (with ``error`` if it failed): wake whoever waits on it."""
         if record.op is op:
             record.op = None
-        if not op.done.is_set():
-            op.error = error
-            op.done.set()
+        op.finish(error)
 
     # --- events --------------------------------------------------------------------------------
     def event(self, kind: EventType, text: str, record: Container, /, **extra: Any) -> None:

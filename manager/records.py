@@ -50,9 +50,16 @@ class OpKind(StrEnum):
     RESIZE = "resize"
 
 
+_OP_LOCK = threading.Lock()
+
+
 @dataclass(eq=False)
 class Op:
-    """One operation in flight on a record: at most one at a time; a reply for another is ignored."""
+    """One operation in flight on a record: at most one at a time; a reply for another is ignored.
+
+    Whoever needs its outcome (a REST call) waits with :meth:`wait`; the event behind it is made
+    only then, so the operations nobody waits for (most of them) cost no lock or condition.
+    """
 
     kind: OpKind
     id: int
@@ -61,9 +68,30 @@ class Op:
     #: resize: the figures from and to
     old: int = 0
     new: int = 0
-    #: set when the operation ends, with ``error`` if it failed: REST callers wait on it
-    done: threading.Event = field(default_factory=threading.Event)
+    #: why it failed, once it ended (None: it succeeded, or has not ended)
     error: GpumgrError | None = None
+    ended: bool = False
+    _event: threading.Event | None = None
+
+    def finish(self, error: GpumgrError | None) -> bool:
+        """End it with ``error`` (None: success) and wake whoever waits; False if it had ended already."""
+        with _OP_LOCK:
+            if self.ended:
+                return False
+            self.error, self.ended, event = error, True, self._event
+        if event is not None:
+            event.set()
+        return True
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for it to end; whether it did."""
+        with _OP_LOCK:
+            if self.ended:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
 
 
 @dataclass(slots=True)

@@ -199,7 +199,7 @@ class Manager:
     def _wait(self, commands: list[Command], timeout: float) -> None:
         for command in commands:
             if command.op is not None:
-                command.op.done.wait(timeout + defaults.CREATE_MARGIN)
+                command.op.wait(timeout + defaults.CREATE_MARGIN)
 
     # --- the dispatcher ----------------------------------------------------------------------
     def dispatch_once(self) -> None:
