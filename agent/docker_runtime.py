@@ -7,7 +7,6 @@ import logging
 import os
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from docker.models.containers import Container
 from docker.types import CancellableStream, DeviceRequest
 
 from gpumgr.agent import procmap
+from gpumgr.agent.docker_events import EngineEvents, caller_code, exit_code_of, finished_at
 from gpumgr.agent.docker_run import create_options, read_logs
 from gpumgr.agent.guard_client import ticket_labels
 from gpumgr.agent.hook_limits import HookLimits
@@ -25,7 +25,6 @@ from gpumgr.agent.logfollow import Followers
 from gpumgr.agent.runtime import (
     ChangeCallback,
     Managed,
-    Runtime,
     grant_env,
     grant_labels,
     managed_from_labels,
@@ -51,7 +50,7 @@ START_CHECK = 10.0
 CGROUP_CACHE_SIZE = 65536
 
 
-class DockerRuntime(Runtime):
+class DockerRuntime(EngineEvents):
     """Containers in the local Docker engine, pinned by ``NVIDIA_VISIBLE_DEVICES`` and labelled with their grant."""
 
     kind = "docker"
@@ -110,7 +109,7 @@ class DockerRuntime(Runtime):
                                  code="image_not_found") from exc
         except docker.errors.APIError as exc:
             raise RuntimeFailure(f"docker could not create the container: {exc.explanation}",
-                                 code=_caller_code(exc)) from exc
+                                 code=caller_code(exc)) from exc
         container_id = str(created["Id"])
         managed = managed_from_labels(container_id, labels, spec.image, State.RUNNING)
         self._track(managed)
@@ -120,7 +119,7 @@ class DockerRuntime(Runtime):
             self._untrack(spec.grant)
             self._force_remove(container_id)
             raise RuntimeFailure(f"docker could not start the container: {exc.explanation}",
-                                 code=_caller_code(exc, starting=True)) from exc
+                                 code=caller_code(exc, starting=True)) from exc
         return managed
 
     def _force_remove(self, container_id: str) -> None:
@@ -371,7 +370,7 @@ class DockerRuntime(Runtime):
             managed = managed_from_labels(_id(container), container.labels, container.attrs["Config"].get("Image", ""),
                                           State.RUNNING if running else State.EXITED)
             managed.exit_code = None if running else state.get("ExitCode")
-            managed.finished_at = None if running else _finished_at(state)
+            managed.finished_at = None if running else finished_at(state)
             managed.pid = state.get("Pid") or None
             if managed.grant in resized:
                 managed.gpu_memory = self._resized_grants[managed.grant] = resized[managed.grant]
@@ -392,7 +391,7 @@ class DockerRuntime(Runtime):
                 log.warning("ignoring a malformed task ledger entry: %s", exc)
                 continue
             if state == State.EXITED:
-                managed.exit_code, managed.finished_at = _exit_code(summary), time.time()
+                managed.exit_code, managed.finished_at = exit_code_of(summary), time.time()
             self._track(managed)
             log.info("re-adopted %s task container %s (grant %s)", state, entry["container_id"][:12], managed.grant)
         self._write_ledger()
@@ -445,87 +444,6 @@ class DockerRuntime(Runtime):
                   "preemptible": m.preemptible} for m in self.managed() if m.hook]
         security.write_private(self._ledger, {"tasks": tasks})
 
-    def _watch(self) -> None:
-        first = True
-        while not self._stop.is_set():
-            try:
-                self._events = self.client.events(
-                    decode=True, since=int(time.time()) - 1,
-                    filters={"type": "container", "event": ["start", "die", "destroy"]},
-                )
-                if not first:
-                    self._resync()  # exits during the gap would otherwise never be reported
-                first = False
-                for event in self._events:
-                    self._on_event(event)
-            except Exception as exc:  # the engine restarted or the stream broke: reconnect
-                if not self._stop.is_set():
-                    log.warning("docker events stream broke (%s); reconnecting", exc)
-            self._stop.wait(defaults.EVENT_RETRY)
-
-    def _on_event(self, event: dict[str, Any]) -> None:
-        cid = event.get("id") or event.get("Actor", {}).get("ID", "")
-        with self._lock:
-            grant = self._by_id.get(cid)
-            managed = self._table.get(grant) if grant else None
-        if managed is None:
-            return
-        action = event.get("Action")
-        if action == "start":
-            with self._lock:
-                started = managed.state == State.CREATING
-                if started:
-                    managed.state = State.RUNNING
-            if started:
-                self._on_change(managed)  # a Swarm task's grant is running now, not at the next heartbeat
-        elif action == "die":
-            code = event.get("Actor", {}).get("Attributes", {}).get("exitCode")
-            self._exited(managed, int(code) if code is not None and str(code).isdigit() else None)
-        elif action == "destroy":
-            if managed.state == State.CREATING:
-                managed.reason = "removed_before_start"
-                self._exited(managed, None)
-            self._untrack(managed.grant)
-
-
-    def _resync(self) -> None:
-        """Compare every managed container with the engine's list and report what changed unseen."""
-        listed = {c["Id"]: c for c in self.client.api.containers(all=True, filters={"label": Label.GRANT})}
-        hooked = {c["Id"]: c for c in self.client.api.containers(all=True) if c["Id"] in self._by_id}
-        listed.update(hooked)
-        for managed in self.managed():
-            summary = listed.get(managed.container_id)
-            state = str(summary.get("State")) if summary is not None else None
-            if managed.state in (State.RUNNING, State.CREATING) and state not in ("running", "created"):
-                log.info("container %s ended while the event stream was down", managed.container_id[:12])
-                self._exited(managed, _exit_code(summary) if summary is not None else None)
-            elif managed.state == State.CREATING and state == "running":
-                # its start event was missed: it runs, so its grant is enforced and reported running from now
-                with self._lock:
-                    managed.state = State.RUNNING
-                log.info("container %s started while the event stream was down", managed.container_id[:12])
-                self._on_change(managed)
-        log.info("re-listed containers after the event stream came back")
-
-
-
-def _caller_code(exc: docker.errors.APIError, *, starting: bool = False) -> str | None:
-    """The error code for an engine refusal that is the caller's mistake, or None (the node's fault).
-
-    A reference the engine rejects (400), a name already in use (409), and a command it cannot
-    execute are what the caller sent; the manager answers them with a 4xx and the engine's words.
-    """
-    text = str(exc.explanation or "").lower()
-    if starting and ("executable file not found" in text or "no such file or directory" in text
-                     or ("permission denied" in text and "exec" in text)):
-        return "bad_command"
-    status = exc.status_code or 0
-    if status == 409:
-        return "conflict"
-    if status == 400 or "invalid reference format" in text or "repository name must" in text:
-        return "invalid_request"
-    return None
-
 
 def _label_problem(labels: dict[str, str]) -> str | None:
     """Why ``labels`` hold no trustworthy grant, or None if they do."""
@@ -535,24 +453,6 @@ def _label_problem(labels: dict[str, str]) -> str | None:
     if not labels.get(Label.GPU):
         return f"its {Label.GPU} label is missing, so its GPUs are unknown"
     return None
-
-
-def _exit_code(summary: dict[str, Any]) -> int | None:
-    """The exit code in a list entry's status text (``Exited (137) 2 seconds ago``), if any."""
-    status = str(summary.get("Status", ""))
-    inside = status.partition("(")[2].partition(")")[0]
-    return int(inside) if inside.lstrip("-").isdigit() else None
-
-
-def _finished_at(state: dict[str, Any]) -> float:
-    """When the engine says the container ended (its ``State.FinishedAt``); now if it never ran or cannot say."""
-    text = str(state.get("FinishedAt") or "")
-    try:  # RFC 3339 with nanoseconds: keep microseconds, which is what fromisoformat reads
-        head, _, rest = text.rstrip("Z").partition(".")
-        stamp = datetime.fromisoformat(head + ("." + rest[:6] if rest else "") + "+00:00")
-    except ValueError:
-        return time.time()
-    return stamp.timestamp() if stamp.year > 1 else time.time()
 
 
 def _id(container: Container) -> str:
