@@ -225,10 +225,12 @@ def test_gpumgr_places_through_the_guard(tmp_path, engine, guard):
         assert created.status_code == 201, created.text
         inspected = engine.client.containers.get(created.json()["container_id"])
         assert inspected.status == "running" and "gpumgr.guard.ticket" in inspected.labels
-        cli = subprocess.run([sys.executable, "-m", "gpumgr.plugin.docker_gpu", "gpu", "run", "--gpu-memory", "1GiB",
-                              IMAGE, "sleep", "30"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cli = subprocess.run([sys.executable, "-m", "gpumgr.plugin.docker_gpu", "gpu", "run", "-d", "--gpu-memory",
+                              "1GiB", IMAGE, "sleep", "30"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                              env={**engine.env, "GPUMGR_MANAGER": manager.url})
-        assert cli.returncode == 0 and "running on guard-node" in cli.stdout, cli.stderr
+        assert cli.returncode == 0, cli.stderr
+        record = manager.get(f"/v1/containers/{cli.stdout.strip()}").json()  # -d prints the id, as docker run -d
+        assert record["state"] == "running" and record["node"] == "guard-node", record
     finally:
         agent.stop()
         manager.stop()
