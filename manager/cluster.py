@@ -318,12 +318,14 @@ class Cluster(MapReads):
                 self.life.move(record, State.REMOVED)
                 self.life.end_op(record, op)
             elif reply is not None or not sent:
-                refused = agent_error(record.node, reply.error if reply else None, "could not remove the container")
+                refused = agent_error(record.node, reply.error, "could not remove the container") \
+                    if reply is not None else lost
                 if record.desired is State.PREEMPTED:
                     self.dispatcher.preemption_failed(record)
                 else:
                     self.life.desire(record, State.RUNNING)
-                self.life.event(EventType.FAILED, f"removal failed: {refused.message}; it runs on", record)
+                runs_on = "; it runs on" if record.state in LIVE else ""
+                self.life.event(EventType.FAILED, f"removal failed: {refused.message}{runs_on}", record)
                 self.life.end_op(record, op, refused)
             else:  # unanswered: its desired state stays; the next heartbeat shows whether it is gone
                 self.life.end_op(record, op, lost)
@@ -435,9 +437,13 @@ class Cluster(MapReads):
                 self.life.move(record, State.REMOVED, "withdrawn from the queue before it was placed")
                 return record, []
             if record.state in ENDED:
-                cleanup = [Command(OpKind.REMOVE, record, None)] if record.container_id else []
-                self.life.move(record, State.REMOVED)
-                return record, cleanup
+                if not record.container_id or record.state is State.REMOVED:
+                    self.life.move(record, State.REMOVED)
+                    return record, []
+                # its stopped container is still in the engine (with its logs and name): removed from there
+                # first, and the record says removed once its node confirms
+                op = self.life.begin(record, OpKind.REMOVE, self.reconciler.remove_timeout)
+                return record, [Command(OpKind.REMOVE, record, op)] if op is not None else []
             self.life.desire(record, State.REMOVED, "removed on request")
             follow = self.reconciler.follow_up(record)
             return record, [follow] if follow is not None else []

@@ -13,7 +13,7 @@ import logging
 import threading
 from collections import deque
 
-from gpumgr.manager.records import Container, Gpu, Node
+from gpumgr.manager.records import Container, Gpu, Node, OpKind
 from gpumgr.manager.scheduler import FreeIndex
 from gpumgr.wire import defaults
 from gpumgr.wire.names import LIVE, State
@@ -213,6 +213,7 @@ class Ledger:
             if record.state not in LIVE and record.state is not State.QUEUED and (
                     not record.reason or record.finished_at is None):
                 found.append(f"ended record {record.id} ({record.state}) lacks its reason or finished_at")
-            if record.state not in LIVE and record.op is not None:
+            if record.state not in LIVE and record.op is not None and record.op.kind is not OpKind.REMOVE:
+                # an ended record may only be having its stopped container removed from the engine
                 found.append(f"{record.state} record {record.id} still has a {record.op.kind} in flight")
         return found

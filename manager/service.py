@@ -139,9 +139,9 @@ class Manager:
         if waited:
             self._wait(waited, self.settings.remove_timeout)
             error = waited[0].op.error if waited[0].op is not None else None
-            if error is not None and record.state in LIVE and not isinstance(error, AgentTimeout):
-                raise error  # its node refused: it runs on (an unanswered removal is retried: 202)
-        return self.cluster.view(record), 202 if record.state in LIVE else 200
+            if error is not None and not isinstance(error, AgentTimeout):
+                raise error  # its node refused (or is down): the container is still there
+        return self.cluster.view(record), 202 if record.state in LIVE or record.op is not None else 200
 
     def forget_node(self, name: str) -> dict[str, Any]:
         """Forget a node that is down, with its binding: its agent must join again to come back."""
