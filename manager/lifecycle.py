@@ -204,6 +204,9 @@ class Lifecycle:
         kind = _FINAL_EVENTS.get(record.state, EventType.EXITED)
         text = f"{record.state}: {record.reason}"
         text += f" (exit {record.exit_code})" if record.exit_code is not None else ""
+        if not record.detail:
+            self.event(kind, text, record, final=True)
+            return
         # the final event carries the overrun that ended it flat (reason, observed, grant_bytes, gpu, ...)
         overrun = record.detail.get("overrun")
         flat = {**{k: v for k, v in record.detail.items() if k != "overrun"},

@@ -182,11 +182,16 @@ class Reconciler:
                 self.life.move(record, State.REMOVED, reason or "container disappeared from its node")
         # adopted last, against what is still granted once the containers that are gone have ended
         orphans += [report.grant for report in unknown if not self._adopt(node, report)]
-        commands = [c for r in self._node_records(node.name) if (c := self.follow_up(r)) is not None]
+        commands = [c for r in self._unsettled(node.name) if (c := self.follow_up(r)) is not None]
         return orphans, commands
 
-    def _node_records(self, name: str) -> list[Container]:
-        return [self.ledger.records[c] for g in self.ledger.node_gpus(name) for c in sorted(g.holders)]
+    def _unsettled(self, name: str) -> list[Container]:
+        """``name``'s live records that may need a follow-up: not as desired, or enforced at another figure."""
+        records = self.ledger.records
+        found = {cid: record for g in self.ledger.node_gpus(name) for cid in g.holders
+                 if (record := records[cid]).op is None and (record.desired is not State.RUNNING or (
+                     record.enforced and record.enforced != record.gpu_memory))}
+        return [found[cid] for cid in sorted(found)]
 
     def _refresh(self, record: Container, report: ContainerStatus, *, whole: bool = False) -> None:
         now = self.clock.monotonic()
