@@ -147,7 +147,7 @@ class Cluster(MapReads):
         """
         with self.lock:
             now = self.clock.monotonic() if now is None else now
-            down, commands = self.reconciler.sweep(now)
+            down, commands = self.reconciler.sweep(now), []
             for record in [r for r in self.ledger.records.values() if r.op is not None
                            and now > r.op.deadline + defaults.CREATE_MARGIN]:
                 assert record.op is not None  # an answer the link never delivered: settle it as lost
@@ -294,7 +294,7 @@ class Cluster(MapReads):
     # --- what nodes answer and report ----------------------------------------------------------
     def current(self, command: Command) -> bool:
         """Whether ``command`` may still be sent (its operation is still the one in flight)."""
-        return command.op is None or self.life.current(command.record, command.op)
+        return self.life.current(command.record, command.op)
 
     def settle(self, command: Command, reply: protocol.Reply | None, error: Exception | None, *,
                sent: bool = True) -> list[Command]:
@@ -305,7 +305,7 @@ class Cluster(MapReads):
     def _settle(self, command: Command, reply: protocol.Reply | None, error: Exception | None, *,
                 sent: bool = True) -> list[Command]:
         record, op = command.record, command.op
-        if op is None or not self.life.current(record, op):
+        if not self.life.current(record, op):
             return []  # a reply for an older operation: ignored
         lost = error if isinstance(error, GpumgrError) else AgentFailed(f"node {record.node}: {error}")
         ok = reply is not None and reply.ok

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpumgr.manager.hook_policy import hook_tenant  # issue 22
 from gpumgr.manager.records import Container, PlacementSpec
@@ -34,7 +34,8 @@ class Inbound:
         self._waiters_lock = threading.Lock()
 
     @property
-    def link(self):  # type: ignore[no-untyped-def]
+    def link(self) -> Any:
+        """The manager's agent link (the real one, or a test's stand-in)."""
         return self.manager.link
 
     def on_message(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Message) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import asdict
 from typing import Any
 
 from sortedcontainers import SortedList
@@ -101,7 +102,6 @@ class Lifecycle:
 
     def journal_entry(self, record: Container) -> dict[str, Any]:
         """What the queue journal keeps of a queued record (enough to queue it again after a restart)."""
-        from dataclasses import asdict
         wall = self.clock.time() - self.clock.monotonic()
         return {"id": record.id, "name": record.name, "tenant": record.tenant, "priority": record.priority,
                 "preemptible": record.preemptible, "created_at": record.created_at, "queued_at": record.queued_at,

@@ -102,8 +102,8 @@ class Reconciler:
         self.life.events.record(EventType.NODE_DOWN, f"node {name} was forgotten", node=name)
         return True
 
-    def sweep(self, now: float) -> tuple[list[str], list[Command]]:
-        """Mark silent nodes down, forget long-gone ones, end unconfirmed grants: ``(nodes marked down, commands)``."""
+    def sweep(self, now: float) -> list[str]:
+        """Mark silent nodes down, forget long-gone ones, end unconfirmed grants; return the nodes marked down."""
         stale = [n for n in self.ledger.nodes.values() if n.ready and now - n.last_seen_mono > self.down_after]
         for node in stale:
             self.ledger.set_ready(node, False)
@@ -118,7 +118,7 @@ class Reconciler:
                      if not n.ready and now - n.last_seen_mono > self.forget_after]:
             log.info("forgetting node %s: down for over %gs", name, self.forget_after)
             self.forget_node(name, reason=f"its node was down for over {self.forget_after:g}s")
-        return [n.name for n in stale], []
+        return [n.name for n in stale]
 
     # --- desired state -------------------------------------------------------------------------
     def follow_up(self, record: Container) -> Command | None:

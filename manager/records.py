@@ -188,8 +188,8 @@ class Command:
 
     kind: OpKind
     record: Container
-    #: the operation it carries out; None for a message that needs no answer (removing an ended container)
-    op: Op | None
+    #: the operation it carries out; its reply settles it
+    op: Op
 
 
 @dataclass

@@ -111,7 +111,7 @@ class Manager:
         self.send(commands)
         self._wait(commands, self.settings.create_timeout)
         if record.state is State.FAILED or record.state is State.CREATING:
-            op_error = next((c.op.error for c in commands if c.op is not None and c.op.error is not None), None)
+            op_error = next((c.op.error for c in commands if c.op.error is not None), None)
             raise op_error or AgentTimeout(f"node {record.node} did not confirm the container in time")
         return self.cluster.view(record), 201
 
@@ -123,7 +123,7 @@ class Manager:
         if command is not None:
             self.send([command])
             self._wait([command], self.settings.remove_timeout)
-            if command.op is not None and command.op.error is not None:
+            if command.op.error is not None:
                 raise command.op.error
         return self.cluster.view(record)
 
@@ -135,10 +135,9 @@ class Manager:
         """
         record, commands = self.cluster.request_removal(cid)
         self.send(commands)
-        waited = [c for c in commands if c.op is not None]
-        if waited:
-            self._wait(waited, self.settings.remove_timeout)
-            error = waited[0].op.error if waited[0].op is not None else None
+        if commands:
+            self._wait(commands, self.settings.remove_timeout)
+            error = commands[0].op.error
             if error is not None and not isinstance(error, AgentTimeout):
                 raise error  # its node refused (or is down): the container is still there
         return self.cluster.view(record), 202 if record.state in LIVE or record.op is not None else 200
@@ -166,25 +165,17 @@ class Manager:
             with self.cluster.lock:
                 if not self.cluster.current(command):
                     continue
-                record = command.record
-                node = self.cluster.ledger.nodes.get(record.node)
-                if node is None or not node.ready:
-                    unsent = command
-                else:
-                    unsent = None
-                    message = _message(command, self.settings, self.tenants)
-                    if command.op is None:
-                        self.link.send(node.routing_id, message)
-                        continue
+                node = self.cluster.ledger.nodes.get(command.record.node)
+                if node is not None and node.ready:
                     timeout = self.settings.create_timeout if command.kind is OpKind.CREATE \
                         else self.settings.remove_timeout
-                    future = self.link.request_async(node.routing_id, message, timeout, key=node.key)
-            if unsent is not None:
-                if unsent.op is not None:
-                    self.send(self.cluster.settle(unsent, None, NoAgents(f"node {record.node} is down"), sent=False))
-                continue
-            assert future is not None
-            future.add_done_callback(partial(self._replied, command))
+                    future = self.link.request_async(node.routing_id, _message(command, self.settings, self.tenants),
+                                                     timeout, key=node.key)
+            if future is None:  # its node is down: nothing was sent, the model settles it so
+                down = NoAgents(f"node {command.record.node} is down")
+                self.send(self.cluster.settle(command, None, down, sent=False))
+            else:
+                future.add_done_callback(partial(self._replied, command))
 
     def _replied(self, command: Command, future: Future[protocol.Reply]) -> None:
         try:
@@ -198,8 +189,7 @@ class Manager:
 
     def _wait(self, commands: list[Command], timeout: float) -> None:
         for command in commands:
-            if command.op is not None:
-                command.op.wait(timeout + defaults.CREATE_MARGIN)
+            command.op.wait(timeout + defaults.CREATE_MARGIN)
 
     # --- the dispatcher ----------------------------------------------------------------------
     def dispatch_once(self) -> None:
@@ -244,7 +234,6 @@ def _message(command: Command, settings: ManagerSettings, tenants: TenantBook) -
             preemptible=record.preemptible, **run_fields(record.spec.run, record.tenant, settings.policy, tenants),
         ))
     if command.kind is OpKind.RESIZE:
-        assert command.op is not None
         return protocol.Resize(grant=record.id, gpu_memory=command.op.new)
     return protocol.Remove(grant=record.id, stop_grace=min(defaults.STOP_GRACE, settings.remove_timeout / 2))
 
