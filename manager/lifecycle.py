@@ -33,7 +33,7 @@ from gpumgr.manager.ledger import Ledger
 from gpumgr.manager.queue import QueueJournal, WaitQueue
 from gpumgr.manager.quotas import Quotas
 from gpumgr.manager.records import Container, Op, OpKind
-from gpumgr.wire.errors import Conflict, GpumgrError
+from gpumgr.wire.errors import AgentFailed, Conflict, GpumgrError
 from gpumgr.wire.names import LIVE, EventType, State
 from gpumgr.wire.units import format_bytes
 
@@ -155,7 +155,9 @@ class Lifecycle:
         record.detail.update(detail)
         record.finished_at = finished_at or record.finished_at or self.clock.time()
         if record.op is not None:
-            self.end_op(record, record.op, error or Conflict(f"container {record.id} ended: {record.reason}"))
+            # a record that failed while an operation waited failed on its node (502), whatever noticed it first
+            default = AgentFailed if to is State.FAILED else Conflict
+            self.end_op(record, record.op, error or default(f"container {record.id} {to}: {record.reason}"))
         self.ledger.ended(record)
         self._final_event(record)
         return True

@@ -353,3 +353,23 @@ def test_8_a_reply_over_a_reconnected_socket_resolves_the_request_on_the_real_li
     finally:
         context.term()
         link.stop()
+
+
+def test_a_create_lost_with_its_agent_process_fails_as_the_agent_s_failure(tmp_path):
+    """The agent restarts before creating the container and registers before the link notices: the
+    waiting POST once answered 409 ("container ended"), as if the request conflicted with the map."""
+    world = World(tmp_path)
+    cid = world.post(4 * GiB)
+    (create,) = world.held(protocol.Create)
+    op = world.cluster.get(cid).op
+    world.agents[0].restart()
+    world.agents[0].register()  # the new process does not have the container
+    record = world.cluster.get(cid)
+    assert record.state is State.FAILED and world.reserved() == 0
+    assert op is not None and op.error is not None
+    assert (op.error.status, op.error.code) == (502, "agent_failed"), op.error
+    assert "restarted" in str(op.error)
+    if create in world.link.held:  # the old request's late failure changes nothing
+        world.answer(create, apply=False, lose=True)
+    assert world.cluster.get(cid).state is State.FAILED
+    world.sound()

@@ -124,7 +124,7 @@ def test_agent_killed_during_creates(tmp_path, cluster, docker_client, test_imag
     thread.join(120)
     codes = sorted(r.status_code for r in results)
     # each create either ran (201) or failed with the agent's restart as its reason (502): none waited out a timeout
-    assert set(codes) <= {201, 502}, [r.text for r in results]
+    assert set(codes) <= {201, 502}, [r.text for r in results if r.status_code != 201]
     settles(manager, docker_client, {"fault-a"})
 
 
