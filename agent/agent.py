@@ -27,12 +27,12 @@ from gpumgr.agent.fence import Fence, StaleEpoch
 from gpumgr.agent.gpus import GpuSource
 from gpumgr.agent.hookrelay import MANAGER, HookRelay, bind_relay
 from gpumgr.agent.identity import Identity
-from gpumgr.agent.managers import NOT_LEADER, SILENT_AFTER, ManagerSet, parse_managers
+from gpumgr.agent.managers import NOT_LEADER, NOT_LEADER_PAUSE, SILENT_AFTER, ManagerSet, parse_managers
 from gpumgr.agent.meter import Sample, take_sample
 from gpumgr.agent.runtime import ChangeCallback, Managed, Runtime
 from gpumgr.wire import defaults, protocol, security
 from gpumgr.wire.epoch import Epoch
-from gpumgr.wire.errors import AgentFailed, GpumgrError, PolicyDenied, ProtocolError
+from gpumgr.wire.errors import AgentFailed, AgentTimeout, GpumgrError, PolicyDenied, ProtocolError
 from gpumgr.wire.link import Link, LinkHooks, Peer
 from gpumgr.wire.policy import Policy
 
@@ -121,7 +121,7 @@ class Agent:
             return self._join_tick(now)
         if self.managers.several and self.registered.is_set() and self.link.unreachable_for() > SILENT_AFTER:
             self.registered.clear()
-            self._move_on(f"nothing reached it for {SILENT_AFTER:g}s")
+            self._move_on(f"nothing reached it for {SILENT_AFTER:g}s", silent=True)
         if not self.registered.is_set() and now >= self._next_register:
             if self.managers.unanswered():
                 self._move_on("it did not answer this node's registration")
@@ -150,10 +150,16 @@ class Agent:
         self._joining = False
         if done.exception() is not None:  # unanswered: ZeroMQ may still be connecting; ask again
             self._backoff = min(self._backoff * 2, defaults.RECONNECT_MAX)
-            if self.managers.unanswered():
+            # a frame that could not leave yet (still connecting) is no sign the manager is gone; long silence is
+            if self.managers.several and self.link.unreachable_for() > SILENT_AFTER:
+                self._move_on(f"nothing reached it for {SILENT_AFTER:g}s", silent=True)
+            elif isinstance(done.exception(), AgentTimeout) and self.managers.unanswered():
                 self._move_on("it did not answer this agent's join")
             return
         reply = done.result()
+        if _not_leader(reply) and self.managers.several:
+            self._move_on("it does not lead: the join goes to the leader")
+            return
         if not reply.ok:
             self._fail(f"the manager refused this agent: {reply.error.message if reply.error else 'no reason'}")
             return
@@ -161,13 +167,19 @@ class Agent:
         self._join, self._backoff, self._next_register = None, defaults.RECONNECT_MIN, 0.0
         log.info("joined the manager at %s as node %s", self.managers.current, self.node)
 
-    def _move_on(self, why: str) -> None:
+    def _move_on(self, why: str, *, silent: bool = False, pause: float = 0.0) -> None:
         """Talk to the next manager given (several were): the one in use is gone or does not lead."""
-        self.link.reconnect(self.managers.advance(why))
-        self._backoff, self._next_register = defaults.RECONNECT_MIN, 0.0
+        self.link.reconnect(self.managers.advance(why, silent=silent))
+        self._backoff, self._next_register = defaults.RECONNECT_MIN, time.monotonic() + pause
 
     def _screen(self, envelope: protocol.Envelope, message: protocol.Message) -> Exception | None:
-        """Refuse (and drop) any frame, replies included, from a manager older than the leader this agent follows."""
+        """Refuse (and drop) any frame, replies included, from a manager older than the leader this agent follows.
+
+        A ``not_leader`` answer passes: a manager that does not lead stamps no epoch, and its answer changes
+        nothing here but which manager the agent talks to next.
+        """
+        if _not_leader(message):
+            return None
         try:
             self.fence.admit(None if envelope.epoch is None else Epoch(*envelope.epoch))
             return None
@@ -203,7 +215,7 @@ class Agent:
             self._backoff, self._next_beat = defaults.RECONNECT_MIN, 0.0
             log.info("registered with the manager at %s", self.managers.current)
         elif isinstance(message, protocol.Refused) and message.code == NOT_LEADER and self.managers.several:
-            self._move_on(f"it does not lead: {message.message}")
+            self._move_on(f"it does not lead: {message.message}", pause=jittered(NOT_LEADER_PAUSE))
         elif isinstance(message, protocol.Refused):
             self._fail(f"the manager refused this node's registration: {message.message}")
         elif isinstance(message, protocol.Reregister):
@@ -305,6 +317,13 @@ class Agent:
             log.exception("command failed")
             reply = protocol.Reply(ok=False, error=protocol.ErrorBody(code="runtime_failed", message=str(exc)))
         self.link.send(MANAGER, reply, reply_to=request_id)
+
+
+def _not_leader(message: protocol.Message) -> bool:
+    """Whether ``message`` is a manager's answer that it does not lead (a refused registration or request)."""
+    if isinstance(message, protocol.Refused):
+        return message.code == NOT_LEADER
+    return isinstance(message, protocol.Reply) and message.error is not None and message.error.code == NOT_LEADER
 
 
 def jittered(seconds: float) -> float:

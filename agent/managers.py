@@ -13,14 +13,24 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from urllib.parse import urlsplit
 
 from gpumgr.wire import defaults
 
 log = logging.getLogger(__name__)
 
-#: Frames that cannot reach the manager this long mean it is gone: try the next one.
-SILENT_AFTER = defaults.NODE_DOWN_AFTER
+#: Frames that cannot reach the manager this long mean it is gone: try the next one. A killed manager's
+#: connection drops at once, so frames stop leaving at the next heartbeat; a heartbeat and a half
+#: rides out a reconnect without hunting for a new leader (a paused manager is found by ZeroMQ's own
+#: heartbeats, after ``NODE_DOWN_AFTER``).
+SILENT_AFTER = 1.5 * defaults.HEARTBEAT_INTERVAL
+#: A manager left because it went silent is passed over this long while others remain to try: a
+#: killed leader's key outlives it by its lease, and asking it again only costs another silence.
+PASS_OVER = 2 * defaults.NODE_DOWN_AFTER
+#: Seconds between a ``not_leader`` answer and asking the next manager (followers answer at once:
+#: without a pause an agent would spin round the ring while an election is under way).
+NOT_LEADER_PAUSE = 0.2
 #: Registrations sent to one manager without an answer before the next is tried.
 UNANSWERED_TRIES = 4
 #: The code a manager that does not lead refuses registration with.
@@ -56,6 +66,7 @@ class ManagerSet:
         self.endpoints = list(endpoints)
         self._index = 0
         self._unanswered = 0
+        self._silent: dict[str, float] = {}
         self._lock = threading.Lock()
 
     @property
@@ -69,11 +80,21 @@ class ManagerSet:
         with self._lock:
             return self.endpoints[self._index]
 
-    def advance(self, why: str) -> str:
-        """Move to the next address in the ring (logging ``why``) and return it."""
+    def advance(self, why: str, *, silent: bool = False) -> str:
+        """Move to the next address in the ring (logging ``why``) and return it.
+
+        With ``silent`` the address left went quiet (gone, or paused): it is passed over for
+        :data:`PASS_OVER` seconds while another address is left to try.
+        """
+        now = time.monotonic()
         with self._lock:
             old = self.endpoints[self._index]
-            self._index = (self._index + 1) % len(self.endpoints)
+            if silent:
+                self._silent[old] = now + PASS_OVER
+            for _ in range(len(self.endpoints)):
+                self._index = (self._index + 1) % len(self.endpoints)
+                if self._silent.get(self.endpoints[self._index], 0.0) <= now:
+                    break
             self._unanswered = 0
             new = self.endpoints[self._index]
         log.warning("leaving the manager at %s (%s): trying %s", old, why, new)

@@ -7,6 +7,7 @@ import gc
 import ipaddress
 import logging
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -22,8 +23,6 @@ from gpumgr.wire.errors import GpumgrError
 
 log = logging.getLogger("gpumgr")
 DEFAULT_URL = f"http://{defaults.API_HOST}:{defaults.API_PORT}"
-NOT_WIRED = ("--store: several managers on etcd are experimental, and the manager does not run on the etcd store "
-             "yet; 'gpumgr store status --store URL' reads one. Run the manager without --store")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,10 +275,11 @@ def start_manager(settings: ManagerSettings) -> tuple[Any, Any]:
     from gpumgr.manager.app import create_app
     from gpumgr.manager.service import Manager
 
-    if settings.store:
-        raise ValueError(NOT_WIRED)
     host, port = split_hostport(settings.api, defaults.API_PORT)
     check_exposure(settings.api, settings.token)
+    if settings.store and not settings.advertise_api:  # the others forward REST calls here when it leads
+        public = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+        settings = settings.model_copy(update={"advertise_api": f"http://{public}:{port}"})
     manager = Manager(settings)
     manager.start()
     server = create_server(create_app(manager), **server_options(host, port, settings.threads))

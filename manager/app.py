@@ -10,7 +10,7 @@ from flask.json.provider import DefaultJSONProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import HTTPException
 
-from gpumgr.manager import api, containers_io, dashboard, openapi
+from gpumgr.manager import api, containers_io, dashboard, forward, openapi
 from gpumgr.manager.nodes_cache import NodesCache
 from gpumgr.manager.service import Manager
 from gpumgr.manager.tenants import TenantBook
@@ -35,6 +35,7 @@ def create_app(manager: Manager, test_config: dict[str, Any] | None = None) -> F
     app.add_url_rule("/openapi.json", "openapi", lambda: jsonify(openapi.document()))
     app.add_url_rule("/metrics", "metrics", lambda: metrics(manager))
     app.before_request(_start_timer)
+    app.before_request(lambda: forward.front(manager))
     app.before_request(lambda: _authorize(manager.tenants))
     app.after_request(lambda response: _observe(manager, response))
     app.register_error_handler(GpumgrError, _gpumgr_error)
@@ -49,9 +50,13 @@ class _UnsortedJson(DefaultJSONProvider):
 
 
 def healthz(manager: Manager) -> Response:
-    """Liveness plus a short summary: is the manager serving, how many nodes are ready, does the API want a token."""
+    """Liveness plus a short summary: is the manager serving, how many nodes are ready, does the API want a token.
+
+    With several managers it says this one's role, who leads (their API), the epoch and whether this
+    manager's tenants match the leader's (``warning`` when they differ).
+    """
     return jsonify({"status": "ok", "nodes_ready": manager.cluster.ready_nodes(),
-                    "token_required": not manager.tenants.open})
+                    "token_required": not manager.tenants.open, **forward.health(manager)})
 
 
 def metrics(manager: Manager) -> Response:
@@ -92,8 +97,13 @@ def _authorize(tenants: TenantBook) -> tuple[Response, int] | None:
     return response, status
 
 
-def _gpumgr_error(exc: GpumgrError) -> tuple[Response, int]:
-    return jsonify({"error": exc.to_dict()}), exc.status
+def _gpumgr_error(exc: GpumgrError) -> Response:
+    response = jsonify({"error": exc.to_dict()})
+    response.status_code = exc.status
+    retry_after = getattr(exc, "retry_after", None)
+    if retry_after is not None:  # no leader or no quorum for now: when to try again
+        response.headers["Retry-After"] = str(retry_after)
+    return response
 
 
 def _http_error(exc: HTTPException) -> tuple[Response, int]:

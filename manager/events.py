@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,13 +68,54 @@ class _IdBlocks:
         return taken
 
 
-class EventLog:
-    """Keeps the last ``size`` events, oldest first, each with a growing integer ``id``."""
+class _ReservedBlocks:
+    """Event ids reserved in blocks from a shared store (etcd), so they keep rising across leaders.
 
-    def __init__(self, size: int = defaults.EVENTS_KEPT, state_dir: str | Path | None = None) -> None:
+    A block that cannot be reserved (the store is unreachable, or this manager was fenced off) must not
+    lose the event: the ids go on from the last block, and the next reservation is tried at the next event.
+    """
+
+    def __init__(self, reserve: Callable[[int], range]) -> None:
+        self._reserve = reserve
+        self._ids: range = range(0)
+        self._last = 0
+
+    def take(self) -> int:
+        """The next id (call under the log's lock)."""
+        if not self._ids:
+            try:
+                self._ids = self._reserve(ID_BLOCK)
+            except Exception as exc:  # any store failure: keep counting, reserve again later
+                log.warning("could not reserve event ids in the store (%s); counting on from %d", exc, self._last)
+                self._ids = range(self._last + 1, self._last + 2)
+        taken, self._ids = self._ids[0], self._ids[1:]
+        self._last = taken
+        return taken
+
+    def renew(self) -> None:
+        """Start a fresh block at the next event (this manager has just become leader)."""
+        self._ids = range(0)
+
+
+class EventLog:
+    """Keeps the last ``size`` events, oldest first, each with a growing integer ``id``.
+
+    Ids come from blocks noted in ``state_dir``, or, given ``reserve`` (a shared store's
+    ``reserve_event_ids``), from blocks reserved there.
+    """
+
+    def __init__(self, size: int = defaults.EVENTS_KEPT, state_dir: str | Path | None = None,
+                 reserve: Callable[[int], range] | None = None) -> None:
         self._events: deque[dict[str, Any]] = deque(maxlen=size)
         self._lock = threading.Lock()
-        self._ids = _IdBlocks(state_dir)
+        self._ids: _IdBlocks | _ReservedBlocks = _ReservedBlocks(reserve) if reserve is not None \
+            else _IdBlocks(state_dir)
+
+    def renew_ids(self) -> None:
+        """Reserve a fresh block of ids before the next event (a new leader's come after its predecessor's)."""
+        with self._lock:
+            if isinstance(self._ids, _ReservedBlocks):
+                self._ids.renew()
 
     def record(self, kind: EventType, message: str, /, *, node: str | None = None,
                container: str | None = None, **detail: Any) -> dict[str, Any]:

@@ -91,6 +91,11 @@ class Solo:
     def on_lost(self, callback: Callable[[Epoch, str], None]) -> None:
         """Never called: a single manager cannot be deposed."""
 
+    @property
+    def store_unreachable(self) -> bool:
+        """Never: the state directory is local."""
+        return False
+
     def refused(self, code: str) -> bool:
         """Nothing to step down from; False."""
         return False
@@ -139,6 +144,11 @@ class Replicated:
         """Call ``callback(epoch, why)`` each time this manager stops leading."""
         with self._lock:
             self._lost.append(callback)
+
+    @property
+    def store_unreachable(self) -> bool:
+        """Whether etcd stopped answering (every endpoint down, or no quorum) and has not answered since."""
+        return self.leadership.unreachable_since is not None
 
     def refused(self, code: str) -> bool:
         """Step down when ``code`` says a newer leader rules; True if it did."""

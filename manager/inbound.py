@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from gpumgr.manager.service import Manager
 
 log = logging.getLogger(__name__)
+#: What a manager that does not lead answers an agent (the agent's side: ``gpumgr.agent.managers.NOT_LEADER``).
+NOT_LEADER = "not_leader"
 
 
 class Inbound:
@@ -39,7 +41,14 @@ class Inbound:
         return self.manager.link
 
     def on_message(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Message) -> None:
-        """Route one message from an agent; nothing reaches the map unless the sender's key speaks for its node."""
+        """Route one message from an agent; nothing reaches the map unless the sender's key speaks for its node.
+
+        A manager that does not lead takes nothing in: it tells the agent ``not_leader``, and the agent
+        moves on to the next manager it was given.
+        """
+        if not self.manager.plane.is_leader:
+            self._not_leader(peer, envelope, message)
+            return
         if isinstance(message, protocol.Join):
             self._join(peer, envelope, message)
             return
@@ -64,6 +73,16 @@ class Inbound:
                 self.link.send(peer.routing_id, reply, reply_to=envelope.id)
         else:
             log.warning("dropped an unexpected %s message from node %s", envelope.type, node)
+
+    def _not_leader(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Message) -> None:
+        leader = self.manager.plane.leader()
+        text = f"this manager does not lead; the leader's API is {leader.get('api') or leader.get('name')}" \
+            if leader else "this manager does not lead, and no manager leads right now"
+        if isinstance(message, protocol.Join | protocol.Reserve):
+            error = protocol.ErrorBody(code=NOT_LEADER, message=text)
+            self.link.send(peer.routing_id, protocol.Reply(ok=False, error=error), reply_to=envelope.id)
+        elif isinstance(message, protocol.Register | protocol.Heartbeat):
+            self.link.send(peer.routing_id, protocol.Refused(code=NOT_LEADER, message=text), reply_to=envelope.id)
 
     def _speaker(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Message) -> str | None:
         """The node ``peer``'s key is bound to, if the message speaks only for it; else None (dropped, logged)."""

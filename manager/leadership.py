@@ -78,6 +78,8 @@ class Leadership:
         self._leader: dict[str, Any] | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        #: when etcd last stopped answering (no endpoint, or no quorum), until a call gets through again
+        self.unreachable_since: float | None = None
 
     @property
     def leader_key(self) -> bytes:
@@ -137,8 +139,11 @@ class Leadership:
         while not self._stopping.is_set():
             try:
                 wait = self._renew() if self._epoch is not None else self._campaign()
+                self.unreachable_since = None
             except EtcdError as exc:  # unavailable or refused: the deadline still decides
                 log.warning("leadership: %s", exc.message)
+                if isinstance(exc, etcdv3.StoreUnavailable) and self.unreachable_since is None:
+                    self.unreachable_since = time.monotonic()
                 wait = CAMPAIGN_POLL if self._epoch is None else RENEW_EVERY / 4
             if self._epoch is not None and time.monotonic() >= self._deadline:
                 self.step_down("the lease ran out before it could be renewed")

@@ -9,6 +9,8 @@ REST call that needs the outcome waits on its operation's ``done`` event, never 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 from concurrent.futures import Future
 from functools import partial
@@ -19,14 +21,17 @@ from gpumgr.manager.clock import SYSTEM, Clock
 from gpumgr.manager.cluster import Cluster
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.events import EventLog
+from gpumgr.manager.ha import DEPOSED, Replicated, Solo, control_plane
 from gpumgr.manager.inbound import Inbound
+from gpumgr.manager.leading import Leading, NotLeader
 from gpumgr.manager.link import ManagerLink
 from gpumgr.manager.metrics import Metrics
 from gpumgr.manager.policy import run_fields
 from gpumgr.manager.records import Command, OpKind, PlacementSpec
+from gpumgr.manager.store_etcd import EtcdQueueJournal, EtcdStore
 from gpumgr.manager.tenants import OPERATOR, Principal, Tenant, TenantBook, build_tenants
 from gpumgr.wire import defaults, protocol
-from gpumgr.wire.errors import AgentTimeout, Conflict, Forbidden, InvalidRequest, NoAgents, NotFound
+from gpumgr.wire.errors import AgentTimeout, Conflict, Forbidden, GpumgrError, InvalidRequest, NoAgents, NotFound
 from gpumgr.wire.names import LIVE, State
 
 log = logging.getLogger(__name__)
@@ -35,25 +40,36 @@ log = logging.getLogger(__name__)
 class Manager:
     """Owns the cluster model and the agent link; the REST API calls into it."""
 
-    def __init__(self, settings: ManagerSettings, link: Any = None, clock: Clock = SYSTEM) -> None:
+    def __init__(self, settings: ManagerSettings, link: Any = None, clock: Clock = SYSTEM,
+                 plane: Solo | Replicated | None = None) -> None:
         self.settings = settings
         self.tenants = TenantBook(build_tenants(settings.tenants, settings.token), settings.token)
-        self.admission = Admission(settings.state_dir)
-        self.events = EventLog(state_dir=self.admission.folder)
+        #: one manager on its state directory, or one of several on etcd (``--store``)
+        self.plane = plane if plane is not None else control_plane(
+            settings.store, settings.state_dir, manager_name(settings), api=settings.advertise_api or "",
+            ca=settings.store_ca, cert=settings.store_cert, key=settings.store_key)
+        shared = isinstance(self.plane.store, EtcdStore)
+        self.admission = Admission(settings.state_dir, store=self.plane.store)
+        self.events = EventLog(state_dir=self.admission.folder,
+                               reserve=self.plane.store.reserve_event_ids if shared else None)
         self.cluster = Cluster(self.events, headroom=settings.headroom,
                                down_after=settings.heartbeat_interval * settings.heartbeat_liveness,
                                forget_after=settings.forget_after, aging=settings.queue_aging,
-                               state_dir=str(self.admission.folder), clock=clock)
+                               state_dir=None if shared else str(self.admission.folder), clock=clock)
+        if isinstance(self.plane.store, EtcdStore):  # the queue's record is the shared store's, written by sync
+            self.cluster.journal = self.cluster.life.journal = EtcdQueueJournal(self.plane.store)
         self.cluster.tenants = self.tenants
         self.cluster.set_timeouts(settings.create_timeout, settings.remove_timeout)
         self.metrics = Metrics(self.cluster)
-        restored = self.cluster.restore_queue(self.cluster.journal.load())
-        if restored:
-            log.info("restored %d queued requests from %s", restored, self.cluster.journal.path)
+        if not shared:  # several managers: the leader loads the queue when elected
+            restored = self.cluster.restore_queue(self.cluster.journal.load())
+            if restored:
+                log.info("restored %d queued requests from %s", restored, self.cluster.journal.path)
+        self.leading = Leading(self)
         self.inbound = Inbound(self)
         self.link = link if link is not None else ManagerLink(
             settings.agents, self.inbound.on_message, self.admission.keys, tick=settings.heartbeat_interval / 2,
-            on_tick=self.on_tick)
+            on_tick=self.on_tick, epoch=(lambda: self.plane.epoch) if shared else None)
         self._next_sweep = 0.0
         self._stopping = threading.Event()
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="dispatcher", daemon=True)
@@ -63,15 +79,18 @@ class Manager:
         self.link.start()
         self._dispatcher.start()
         log.info("agent link bound on %s", self.link.bound_endpoint)
+        self.plane.start()
 
     def stop(self) -> None:
-        """Stop the dispatcher and close the agent link (the queue stays in its journal)."""
+        """Resign leadership, stop the dispatcher and close the agent link (the queue stays in its store)."""
+        self.plane.stop()
         self._stopping.set()
         self.cluster.wake.set()
         if self._dispatcher.is_alive():
             self._dispatcher.join(5)
         self.link.stop()
         self.cluster.journal.close()
+        self.plane.store.close()
 
     def reload_tenants(self, settings: ManagerSettings) -> None:
         """Put new tenants, quotas and tokens in force (SIGHUP); raises ValueError, keeping the old ones."""
@@ -105,6 +124,7 @@ class Manager:
         With ``queue`` a request that does not fit now waits: ``(record, 202)`` in state ``queued``; it
         is placed and started as soon as room frees, with no further call.
         """
+        self.leading.check()
         record, commands = self.cluster.submit(spec, queue=queue, queue_timeout=queue_timeout, tenant=tenant)
         if record.state is State.QUEUED:
             return self.cluster.view(record), 202
@@ -117,6 +137,7 @@ class Manager:
 
     def resize(self, cid: str, memory: int, *, force: bool = False, principal: Principal = OPERATOR) -> dict[str, Any]:
         """Grow or shrink ``cid``'s grant in place; its node enforces the new figure from its next sample."""
+        self.leading.check()
         record = self.cluster.get_for(cid, principal)
         tenant = self.tenants.get(record.tenant) if record.tenant is not None else None
         record, command = self.cluster.begin_resize(cid, memory, force=force, tenant=tenant)
@@ -133,6 +154,7 @@ class Manager:
         When that cannot be done now (its node is down, an operation is in flight on it, its container
         is still being created) the request is kept and carried out as soon as it can be: ``(record, 202)``.
         """
+        self.leading.check()
         record, commands = self.cluster.request_removal(cid)
         self.send(commands)
         if commands:
@@ -158,21 +180,25 @@ class Manager:
         """Send each command still current to its node; its reply goes back to the model, never blocking here.
 
         The check and the send happen under the model's lock (sending only queues the frame), so a
-        record that ended meanwhile is never created, removed or resized on its node.
+        record that ended meanwhile is never created, removed or resized on its node. Only the leader
+        sends; the link stamps each frame with its epoch, which agents check (a deposed leader's frames
+        are refused with ``stale_epoch``).
         """
         for command in commands:
             future: Future[protocol.Reply] | None = None
+            leads = self.plane.is_leader
             with self.cluster.lock:
                 if not self.cluster.current(command):
                     continue
                 node = self.cluster.ledger.nodes.get(command.record.node)
-                if node is not None and node.ready:
+                if leads and node is not None and node.ready:
                     timeout = self.settings.create_timeout if command.kind is OpKind.CREATE \
                         else self.settings.remove_timeout
                     future = self.link.request_async(node.routing_id, _message(command, self.settings, self.tenants),
                                                      timeout, key=node.key)
-            if future is None:  # its node is down: nothing was sent, the model settles it so
-                down = NoAgents(f"node {command.record.node} is down")
+            if future is None:  # its node is down (or this manager no longer leads): nothing was sent
+                down = NoAgents(f"node {command.record.node} is down") if leads else \
+                    NotLeader("this manager stopped leading before the command was sent")
                 self.send(self.cluster.settle(command, None, down, sent=False))
             else:
                 future.add_done_callback(partial(self._replied, command))
@@ -182,6 +208,9 @@ class Manager:
             reply, error = future.result(), None
         except Exception as exc:  # a timeout, or its agent restarted: the model decides what that means
             reply, error = None, exc
+        if reply is not None and not reply.ok and reply.error is not None and reply.error.code in DEPOSED:
+            log.warning("node %s refused a %s: %s", command.record.node, command.kind, reply.error.message)
+            self.plane.refused(reply.error.code)
         try:
             self.send(self.cluster.settle(command, reply, error))
         except Exception:
@@ -193,12 +222,27 @@ class Manager:
 
     # --- the dispatcher ----------------------------------------------------------------------
     def dispatch_once(self) -> None:
-        """One pass: expire, place what fits, start what was placed, stop what is preempted."""
+        """One pass: expire, place what fits, start what was placed, stop what is preempted (leading only)."""
+        if not self.leading.placing:
+            return
         commands, hooks = self.cluster.dispatch()
         for record in hooks:
             self.inbound.answer_hook(record.id, self.inbound.grant_reply(record))
         self.inbound.settle_hook_waiters()
         self.send(commands)
+        self.sync_queue()
+
+    def sync_queue(self) -> None:
+        """Write the queue's changes to a shared store (outside the model's lock); a failure is retried later.
+
+        A fenced write has already made this manager step down; an unreachable store keeps the changes
+        for the next pass (the state directory's journal is written as it goes, and has nothing to do).
+        """
+        if isinstance(self.cluster.journal, EtcdQueueJournal):
+            try:
+                self.cluster.journal.sync()
+            except GpumgrError as exc:
+                log.warning("queue changes not written to the store yet: %s", exc.message)
 
     def _dispatch_loop(self) -> None:
         """Place queued requests whenever room may have freed, and start them on their nodes."""
@@ -215,12 +259,17 @@ class Manager:
     def on_tick(self) -> None:
         """The link's tick: sweep for silent nodes and unconfirmed grants every half heartbeat."""
         now = self.cluster.clock.monotonic()
-        if now >= self._next_sweep:
+        if now >= self._next_sweep and self.plane.is_leader:
             self._next_sweep = now + self.settings.heartbeat_interval / 2
             down, commands = self.cluster.sweep()
             for name in down:
                 log.warning("node %s missed %d heartbeats: marked down", name, self.settings.heartbeat_liveness)
             self.send(commands)
+
+
+def manager_name(settings: ManagerSettings) -> str:
+    """How this manager names itself to the others: its advertised API, else its host and process."""
+    return settings.advertise_api or f"{socket.gethostname()}:{os.getpid()}"
 
 
 def _message(command: Command, settings: ManagerSettings, tenants: TenantBook) -> protocol.Message:

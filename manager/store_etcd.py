@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 from gpumgr.manager import etcdv3
 from gpumgr.manager.etcdv3 import EtcdClient
+from gpumgr.manager.queue import QueueJournal
 from gpumgr.manager.store import Fenced, Store
 from gpumgr.wire import security
 
@@ -122,6 +124,17 @@ class EtcdStore(Store):
         """Delete ``queue/<id>``, fenced."""
         self.write([etcdv3.delete(self.key("queue", cid))])
 
+    def apply_queue(self, changes: list[tuple[str, dict[str, Any] | None]]) -> None:
+        """Write queue changes in order (``(id, request)`` queues it, ``(id, None)`` takes it off), fenced.
+
+        At most :data:`~gpumgr.manager.etcdv3.MAX_TXN_OPS` operations go in one transaction (etcd's
+        default ``--max-txn-ops``), so a burst of a thousand queued requests costs eight writes, not a thousand.
+        """
+        operations = [etcdv3.put(self.key("queue", cid), _dump(request)) if request is not None
+                      else etcdv3.delete(self.key("queue", cid)) for cid, request in changes]
+        for start in range(0, len(operations), etcdv3.MAX_TXN_OPS):
+            self.write(operations[start:start + etcdv3.MAX_TXN_OPS])
+
     # --- event ids -----------------------------------------------------------------------------
     def reserve_event_ids(self, count: int) -> range:
         """Raise ``event_ids`` by ``count`` in one fenced transaction that also checks no one moved it meanwhile."""
@@ -160,3 +173,72 @@ class EtcdStore(Store):
         if self._on_fenced is not None:
             self._on_fenced()
         raise Fenced(f"store write refused: {why}; this manager steps down")
+
+
+class EtcdQueueJournal(QueueJournal):
+    """The queue's record in etcd, in the shape of :class:`~gpumgr.manager.queue.QueueJournal` the model calls.
+
+    The model records queue changes under its lock, where a store round trip (a quorum's fsync, about
+    5 ms, or seconds while etcd elects a leader) must not be paid: changes are kept in order here and
+    written by :meth:`sync`, outside the lock, as few transactions as they fit in. A request and its
+    removal that meet in one batch cancel out on the wire (etcd refuses two operations on one key in one
+    transaction). A write that fails for want of quorum is kept and tried again at the next sync; one
+    that is fenced is dropped (a newer leader owns the queue now, and this manager steps down).
+    """
+
+    def __init__(self, store: EtcdStore) -> None:
+        super().__init__(None)
+        self.store = store
+        self._flush = threading.Lock()
+        self._pending: dict[str, dict[str, Any] | None] = {}
+
+    def load(self) -> list[dict[str, Any]]:
+        """The requests etcd holds, in the order they were queued."""
+        return self.store.queued()
+
+    def open(self, queued: list[dict[str, Any]]) -> None:
+        """Nothing to rewrite: etcd holds the restored queue already."""
+
+    def rewrite(self, queued: list[dict[str, Any]]) -> None:
+        """Nothing to compact: each request is one key, deleted when it leaves."""
+
+    def needs_compaction(self, queued: int) -> bool:
+        """Never (etcd's own compaction, ``--auto-compaction-retention``, reclaims old revisions)."""
+        return False
+
+    def add(self, request: dict[str, Any]) -> None:
+        """Note a queued (or changed) request; written at the next :meth:`sync`."""
+        cid = str(request["id"])
+        with self._lock:
+            if self._pending.get(cid, request) is None:  # taken off and queued again: its key goes last
+                del self._pending[cid]
+            self._pending[cid] = request
+
+    def remove(self, cid: str) -> None:
+        """Note that ``cid`` left the queue; written at the next :meth:`sync`."""
+        with self._lock:
+            self._pending[cid] = None
+
+    def sync(self) -> None:
+        """Write every change noted so far; raises StoreUnavailable (changes kept) or Fenced (dropped)."""
+        with self._flush:
+            with self._lock:
+                changes, self._pending = list(self._pending.items()), {}
+            if not changes:
+                return
+            try:
+                self.store.apply_queue(changes)
+            except Fenced:
+                raise
+            except Exception:
+                with self._lock:  # kept, in front of what came meanwhile
+                    self._pending = {**dict(changes), **self._pending}
+                raise
+
+    def discard(self) -> None:
+        """Forget the changes not written yet (this manager no longer leads)."""
+        with self._lock:
+            self._pending = {}
+
+    def close(self) -> None:
+        """Nothing to close."""

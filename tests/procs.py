@@ -148,15 +148,16 @@ class AgentProc(Proc):
 
     def __init__(self, tmp: Path, manager: ManagerProc, node: str, gpus: str = "sim:2x24GiB",
                  runtime: str = "docker", env: dict[str, str] | None = None, wait: bool = True,
-                 state_dir: Path | None = None, join: bool = True) -> None:
+                 state_dir: Path | None = None, join: bool = True, endpoints: str | None = None,
+                 token: str | None = None) -> None:
         self.node = node
         self.manager = manager
         TEST_NODES.add(node)
         self.hook_socket = os.path.join(tempfile.mkdtemp(prefix="gpumgr-"), "hook.sock")
         env = {"GPUMGR_NETWORK_MODE": "none", "GPUMGR_HOOK_SOCKET": self.hook_socket, **(env or {})}
         self.state_dir = state_dir or tmp / f"agent-state-{node}"
-        joining = ["--join", manager.token()] if join else []
-        super().__init__(["agent", "--manager", manager.endpoint, "--node", node, "--gpus", gpus,
+        joining = ["--join", token or manager.token()] if join else []  # issue 21: several managers' token
+        super().__init__(["agent", "--manager", endpoints or manager.endpoint, "--node", node, "--gpus", gpus,
                           "--runtime", runtime, "--state-dir", str(self.state_dir), *joining],
                          tmp / f"agent-{node}.log", env)
         if wait:

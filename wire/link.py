@@ -183,6 +183,15 @@ class Link:
                 pending.future.set_exception(error)
         return len(failed)
 
+    def fail_all(self, error: Exception) -> int:
+        """Fail every request still waiting for a reply (a manager that stops leading answers none of them)."""
+        with self._pending_lock:
+            failed, self._pending = list(self._pending.values()), {}
+        for pending in failed:
+            if not pending.future.done():
+                pending.future.set_exception(error)
+        return len(failed)
+
     def request(self, peer: bytes, message: protocol.Message, timeout: float) -> protocol.Reply:
         """Send ``message`` and wait up to ``timeout`` seconds for its reply; raises AgentTimeout."""
         future = self.request_async(peer, message, timeout)

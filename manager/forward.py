@@ -1,0 +1,153 @@
+"""Any manager answers: a REST call to a manager that does not lead goes to the leader's API.
+
+As Swarm and Nomad do, a follower forwards each ``/v1/...`` call to the leader's advertised API
+(``--advertise-api``, published in the leader key) and hands back its answer as is. While no manager
+leads (one died and its lease has not run out yet, or an election is under way) the call is held for
+:data:`HOLD` seconds, then answered 503 ``no_leader`` with ``Retry-After``; when the store itself is
+unreachable (etcd lost its quorum) the answer is 503 ``no_quorum``. A call the leader got but did not
+answer (it died meanwhile) is never sent twice: it may have been placed, so the caller is told 502 and
+decides. ``/healthz``, ``/metrics``, ``/openapi.json`` and the dashboard's files are served by every
+manager itself; ``/healthz`` says who leads and whether this manager's tenants match the leader's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import requests
+from flask import Response, request, stream_with_context
+
+from gpumgr import __version__
+from gpumgr.manager.ha import Solo
+from gpumgr.manager.leadership import LEASE_TTL
+from gpumgr.manager.leading import NoLeader, NoQuorum
+from gpumgr.wire import defaults
+from gpumgr.wire.errors import AgentFailed
+
+if TYPE_CHECKING:
+    from gpumgr.manager.service import Manager
+
+log = logging.getLogger(__name__)
+
+#: How long a call waits for a leader before 503 ``no_leader``: a killed leader's lease runs out within
+#: its TTL, and the next leader is elected a poll later.
+HOLD = LEASE_TTL + 2.0
+#: What a caller is told to wait before trying again.
+RETRY_AFTER = 1
+#: Marks a call one manager forwarded to another: it is never forwarded again (no loops).
+FORWARDED = "X-Gpumgr-Forwarded"
+#: Request headers that travel to the leader (the leader checks the token itself).
+PASSED = ("Authorization", "Content-Type", "Accept", "If-None-Match", "User-Agent")
+#: Answer headers that travel back.
+RETURNED = ("Content-Type", "ETag", "Retry-After", "Location", "WWW-Authenticate", "Cache-Control")
+POLL = 0.05
+
+
+def front(manager: Manager) -> Response | None:
+    """Before a ``/v1/...`` call: None to serve it here (this manager leads), else the leader's answer."""
+    plane = manager.plane
+    if isinstance(plane, Solo) or not request.path.startswith("/v1/"):
+        return None
+    deadline = time.monotonic() + HOLD
+    while True:
+        if plane.is_leader:
+            manager.leading.wait(max(0.0, deadline - time.monotonic()))
+            return None
+        leader = plane.leader()
+        if leader and leader.get("api") and not request.headers.get(FORWARDED):
+            answer = _forward(str(leader["api"]))
+            if answer is not None:
+                return answer
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(POLL)
+    if plane.store_unreachable:
+        raise NoQuorum("the store (etcd) cannot be reached or has lost its quorum: nothing can be placed until "
+                       "enough etcd members are back; running containers are not affected")
+    raise NoLeader(f"no manager leads right now (an election is under way); retry in {RETRY_AFTER}s")
+
+
+def _forward(api: str) -> Response | None:
+    """The leader's answer to this call; None if the leader could not be reached (nothing was sent)."""
+    headers = {h: request.headers[h] for h in PASSED if h in request.headers}
+    headers[FORWARDED] = "1"
+    headers["Accept-Encoding"] = "identity"
+    try:
+        answer = requests.request(request.method, api.rstrip("/") + request.full_path.rstrip("?"),
+                                  data=request.get_data(), headers=headers, stream=True,
+                                  timeout=(1.0, defaults.CLI_TIMEOUT))
+    except requests.ConnectionError as exc:
+        if _never_sent(exc):
+            log.info("the leader's API at %s is not reachable (%s); waiting for a leader", api, exc)
+            return None
+        raise AgentFailed(f"the call was forwarded to the leader at {api}, which went away before answering; "
+                          "it may have been carried out: look before sending it again") from exc
+    except requests.RequestException as exc:
+        raise AgentFailed(f"the call was forwarded to the leader at {api}, which did not answer: {exc}") from exc
+    response = Response(stream_with_context(_body(answer)), status=answer.status_code)
+    for name in RETURNED:
+        if name in answer.headers:
+            response.headers[name] = answer.headers[name]
+    return response
+
+
+def _body(answer: requests.Response) -> Iterator[bytes]:
+    try:
+        yield from answer.iter_content(64 * 1024)
+    finally:
+        answer.close()
+
+
+def _never_sent(exc: requests.ConnectionError) -> bool:
+    """Whether the connection was refused or never opened, so the leader saw nothing of the call."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        name = type(cause).__name__
+        if name in ("NewConnectionError", "ConnectTimeoutError", "ConnectionRefusedError"):
+            return True
+        cause = cause.args[0] if cause.args and isinstance(cause.args[0], BaseException) else \
+            getattr(cause, "reason", None) if isinstance(getattr(cause, "reason", None), BaseException) else None
+    return isinstance(exc, requests.ConnectTimeout)
+
+
+def tenants_digest(manager: Manager) -> str:
+    """A short digest of this manager's tenants, tokens and policy: every manager of a plane must agree."""
+    settings = manager.settings
+    data = {"token": settings.token, "policy": settings.policy.model_dump(mode="json"),
+            "tenants": {name: config.model_dump(mode="json") for name, config in sorted(settings.tenants.items())}}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def health(manager: Manager) -> dict[str, Any]:
+    """``/healthz``'s fields about the control plane: role, leader, epoch, version, the tenants' digest."""
+    plane = manager.plane
+    digest = tenants_digest(manager)
+    info: dict[str, Any] = {"version": __version__, "tenants_digest": digest}
+    if isinstance(plane, Solo):
+        return {**info, "role": "leader", "leader": None, "epoch": None, "store": "dir"}
+    leader = plane.leader()
+    epoch = plane.epoch
+    info.update(role="leader" if plane.is_leader else "follower", leader=leader.get("api") if leader else None,
+                epoch=str(epoch) if epoch is not None else None, store="etcd",
+                store_reachable=not plane.store_unreachable)
+    if not plane.is_leader and leader and leader.get("api"):
+        theirs = _leader_digest(str(leader["api"]))
+        if theirs is not None and theirs != digest:
+            info["warning"] = (f"this manager's tenants and tokens (digest {digest}) differ from the leader's "
+                               f"({theirs}): give every manager the same tenants in its YAML")
+            log.error("%s", info["warning"])
+    return info
+
+
+def _leader_digest(api: str) -> str | None:
+    try:
+        answer = requests.get(api.rstrip("/") + "/healthz", headers={FORWARDED: "1"}, timeout=1.0)
+        found = answer.json().get("tenants_digest")
+        return str(found) if found else None
+    except (requests.RequestException, ValueError, AttributeError):
+        return None

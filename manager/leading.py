@@ -1,0 +1,150 @@
+"""What a manager of several does as leadership comes and goes (the control plane's callbacks, wired).
+
+*Elected.* The new leader reads what its predecessor left in the store: node bindings, the queue
+(in its order, with its waits) and a fresh block of event ids. The grant map is not there: it is
+rebuilt from the agents' registrations, as after a restart. So the leader waits a bounded grace
+(:data:`GRACE`) for the nodes it knows (those bound in the store) to register before it runs the queue
+or places a REST request: placing before then could put a request on the one node back first while
+the queue's head waits for another, or answer "no room" while the room is on a node still moving over.
+The grace ends early once every known node is back.
+
+*Lost.* Leadership ends the moment the lease cannot have been renewed (:mod:`~gpumgr.manager.leadership`):
+from then on :meth:`~gpumgr.manager.service.Manager.send` sends nothing, the REST API forwards or holds,
+and here every request waiting on an agent's reply fails with 503 ``not_leader``, every node is marked
+down (its agent must register again, with whichever manager leads), and queue changes not yet written
+are dropped (the new leader owns the queue). Containers are untouched: agents enforce on their own.
+
+A single manager (:class:`~gpumgr.manager.ha.Solo`) leads from the start with no grace.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from gpumgr.manager.store_etcd import EtcdQueueJournal
+from gpumgr.wire import defaults
+from gpumgr.wire.epoch import Epoch
+from gpumgr.wire.errors import GpumgrError
+
+if TYPE_CHECKING:
+    from gpumgr.manager.service import Manager
+
+log = logging.getLogger(__name__)
+
+#: How long a new leader waits for the nodes it knows to register before it places anyway. An agent
+#: finds its manager gone after ``NODE_DOWN_AFTER`` without a frame leaving, then walks its list of
+#: managers; twice that covers a walk past a follower or two.
+GRACE = 2 * defaults.NODE_DOWN_AFTER
+
+
+class NotLeader(GpumgrError):
+    """This manager does not lead (any more): the request goes to the leader (the REST API forwards it)."""
+
+    code = "not_leader"
+    status = 503
+    retry_after = 1
+
+
+class NoLeader(GpumgrError):
+    """No manager leads right now (one is being elected); retry in a moment."""
+
+    code = "no_leader"
+    status = 503
+    retry_after = 1
+
+
+class NoQuorum(GpumgrError):
+    """etcd has lost its quorum: nothing can be placed until enough members are back (containers run on)."""
+
+    code = "no_quorum"
+    status = 503
+    retry_after = 5
+
+
+class Leading:
+    """Runs ``manager``'s side of its control plane's elections and losses; see the module docstring."""
+
+    def __init__(self, manager: Manager, grace: float = GRACE) -> None:
+        self.manager = manager
+        self.plane = manager.plane
+        self.grace = grace
+        self._expected: set[str] = set()
+        self._grace_until = 0.0
+        self._settled = threading.Event()
+        self._settled.set()  # a single manager, or one that never led: nothing to wait for
+        self.plane.on_elected(self.elected)
+        self.plane.on_lost(self.lost)
+
+    @property
+    def placing(self) -> bool:
+        """Whether this manager may place and run the queue now: it leads and its grace is over."""
+        return self.plane.is_leader and self.grace_over()
+
+    def grace_over(self) -> bool:
+        """Whether the nodes known at election have registered again, or the grace ran out."""
+        if self._settled.is_set():
+            return True
+        cluster = self.manager.cluster
+        missing = [n for n in self._expected if not cluster.node_ready(n)]
+        if missing and time.monotonic() < self._grace_until:
+            return False
+        if missing:
+            log.warning("placing again without node(s) %s: they did not register within %gs of the election",
+                        ", ".join(sorted(missing)[:10]), self.grace)
+        else:
+            log.info("every known node registered again: placing")
+        self._settled.set()
+        cluster.wake.set()
+        return True
+
+    def wait(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) for the grace after an election to end."""
+        deadline = time.monotonic() + timeout
+        while not self.grace_over() and time.monotonic() < deadline:
+            self._settled.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    def check(self) -> None:
+        """Raise NotLeader unless this manager leads; wait out the grace after an election first."""
+        if not self.plane.is_leader:
+            raise NotLeader("this manager does not lead the control plane now")
+        self.wait(self.grace)
+
+    # --- the control plane's callbacks ---------------------------------------------------------
+    def elected(self, epoch: Epoch) -> None:
+        """Load bindings, queue and event ids from the store; wait for the known nodes (bounded)."""
+        manager = self.manager
+        manager.admission.reload()
+        manager.events.renew_ids()
+        self._expected = set(manager.admission.nodes())
+        self._grace_until = time.monotonic() + self.grace
+        if self._expected:
+            self._settled.clear()
+        restored = self._reload_queue()
+        log.warning("leading (epoch %s): %d queued request(s) loaded; waiting up to %gs for %d known node(s)",
+                    epoch, restored, self.grace, len(self._expected))
+
+    def lost(self, epoch: Epoch, why: str) -> None:
+        """Stop at once: fail what waits on agents (503), mark every node down, drop unwritten queue changes."""
+        manager, cluster = self.manager, self.manager.cluster
+        with cluster.lock:
+            for node in cluster.ledger.nodes.values():
+                if node.ready:
+                    cluster.ledger.set_ready(node, False)
+        if isinstance(cluster.journal, EtcdQueueJournal):
+            cluster.journal.discard()
+        failed = manager.link.fail_all(NotLeader(f"this manager stopped leading (epoch {epoch}): {why}"))
+        log.warning("no longer leading (epoch %s): %s; %d request(s) to agents failed", epoch, why, failed)
+
+    def _reload_queue(self) -> int:
+        """Replace the queue in memory (a previous term's, if any) with the store's."""
+        cluster = self.manager.cluster
+        entries = self.plane.store.queued()
+        with cluster.lock:
+            for cid in list(cluster.queue.ids()):
+                cluster.life.forget(cluster.ledger.records[cid])
+        if isinstance(cluster.journal, EtcdQueueJournal):
+            cluster.journal.discard()  # forgetting them is no change to the store: it holds the truth
+        return cluster.restore_queue(entries)
