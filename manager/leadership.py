@@ -142,17 +142,27 @@ class Leadership:
                 self.unreachable_since = None
             except EtcdError as exc:  # unavailable or refused: the deadline still decides
                 log.warning("leadership: %s", exc.message)
-                if isinstance(exc, etcdv3.StoreUnavailable) and self.unreachable_since is None:
-                    self.unreachable_since = time.monotonic()
+                if isinstance(exc, etcdv3.StoreUnavailable):
+                    self._unreachable()
                 wait = CAMPAIGN_POLL if self._epoch is None else RENEW_EVERY / 4
             if self._epoch is not None and time.monotonic() >= self._deadline:
                 self.step_down("the lease ran out before it could be renewed")
             self._stopping.wait(max(wait, 0.0))
 
+    def _unreachable(self) -> None:
+        """etcd does not answer: note since when, and forget who led (it cannot be known now)."""
+        if self.unreachable_since is None:
+            self.unreachable_since = time.monotonic()
+        with self._lock:
+            if self._epoch is None:
+                self._leader = None
+
     def step_down(self, why: str) -> None:
         """Stop leading now (a fenced write, a ``stale_epoch`` from an agent, a lost lease, shutdown)."""
         with self._lock:
             epoch, lease, self._epoch, self._lease, self._deadline = self._epoch, self._lease, None, 0, 0.0
+            if epoch is not None:
+                self._leader = None
         if epoch is None:
             return
         log.warning("%s steps down as leader (epoch %s): %s", self.name, epoch, why)
