@@ -1,0 +1,124 @@
+"""The manager on its control plane: real managers in this process on a real etcd, agents on real sockets.
+
+What the fault tests cannot make happen on cue is driven here with a scripted agent (``FakeAgent``,
+a real CURVE DEALER socket): a command stamped with the leader's epoch answered ``stale_epoch``, a
+follower's ``not_leader`` to a join and a registration, the queue and event ids handed to the next leader.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from gpumgr.manager.admission import KEY_FILE
+from gpumgr.manager.config import ManagerSettings
+from gpumgr.manager.records import PlacementSpec
+from gpumgr.manager.service import Manager
+from gpumgr.manager.store_etcd import EtcdQueueJournal
+from gpumgr.wire import protocol, security
+from gpumgr.wire.errors import GpumgrError
+from tests.fake_agent import GiB, FakeAgent
+from tests.procs import free_port, wait_for
+
+
+def settings(tmp_path: Any, url: str, name: str) -> ManagerSettings:
+    state = tmp_path / name
+    state.mkdir(mode=0o700, exist_ok=True)
+    shared = tmp_path / "shared" / KEY_FILE
+    shared.parent.mkdir(mode=0o700, exist_ok=True)
+    security.load_keys(shared)
+    shutil.copy2(shared, state / KEY_FILE)
+    return ManagerSettings(store=url, state_dir=str(state), agents=f"tcp://127.0.0.1:{free_port()}",
+                           advertise_api=f"http://127.0.0.1:{free_port()}")
+
+
+@pytest.fixture
+def two(etcd, tmp_path) -> Iterator[tuple[Manager, Manager]]:
+    """Two managers on one etcd; the first leads when the test starts."""
+    url = "etcd://" + etcd.endpoints[0].removeprefix("http://") + "/wired"
+    first = Manager(settings(tmp_path, url, "m1"))
+    first.start()
+    wait_for(lambda: first.plane.is_leader, 10, what="m1 to lead")
+    second = Manager(settings(tmp_path, url, "m2"))
+    second.start()
+    wait_for(lambda: second.plane.leader() is not None, 10, what="m2 to see the leader")
+    yield first, second
+    for manager in (first, second):
+        manager.stop()
+
+
+def spec(memory: int) -> PlacementSpec:
+    return PlacementSpec(memory=memory, count=1, placement="spread", image="busybox", command=["true"])
+
+
+def test_a_command_carries_the_epoch_and_stale_epoch_makes_the_leader_step_down(two) -> None:
+    first, second = two
+    agent = FakeAgent(first.settings.agents, first.admission.token(), node="ha2-wired", behaviour="silent")
+    try:
+        assert agent.register().heartbeat_interval > 0
+        outcome: dict[str, Any] = {}
+
+        def create() -> None:
+            try:
+                outcome["answer"] = first.create(spec(GiB))
+            except GpumgrError as exc:
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=create)
+        thread.start()
+        assert agent.socket.poll(5000)
+        envelope, message = protocol.decode(agent.socket.recv())
+        assert isinstance(message, protocol.Create)
+        epoch = first.plane.epoch
+        assert epoch is not None and list(envelope.epoch or []) == epoch.to_wire()
+        refusal = protocol.ErrorBody(code="stale_epoch", message="a newer leader (epoch 9.9) rules")
+        agent.send(protocol.Reply(ok=False, error=refusal), reply_to=envelope.id)
+        thread.join(30)
+        assert "error" in outcome, outcome
+        wait_for(lambda: second.plane.is_leader, 10, what="m2 to lead once m1 stepped down")
+        assert not first.plane.is_leader
+        assert second.plane.epoch is not None and second.plane.epoch > epoch
+    finally:
+        agent.close()
+
+
+def test_a_follower_answers_agents_not_leader(two) -> None:
+    first, second = two
+    agent = FakeAgent(second.settings.agents, second.admission.token(), node="ha2-follow")
+    try:
+        join = agent.join()
+        assert not join.ok and join.error is not None and join.error.code == "not_leader"
+        agent.send(protocol.Register(node="ha2-follow", runtime="docker", gpus=agent.gpus, containers=[]))
+        refused = agent.expect(protocol.Refused)
+        assert refused.code == "not_leader" and first.settings.advertise_api in refused.message
+        assert second.admission.node_of(agent.keys.public) is None
+    finally:
+        agent.close()
+
+
+def test_the_next_leader_takes_the_queue_in_order_and_event_ids_keep_rising(two) -> None:
+    first, second = two
+    agent = FakeAgent(first.settings.agents, first.admission.token(), node="ha2-queue", gpus=1, size=4 * GiB)
+    try:
+        agent.register()
+        stop = threading.Event()
+        serving = agent.serve(stop)
+        assert first.create(spec(3 * GiB))[1] == 201  # the one GPU is nearly full: the next ones wait
+        queued = [first.create(spec(2 * GiB), queue=True)[0]["id"] for _ in range(3)]
+        assert isinstance(first.cluster.journal, EtcdQueueJournal)
+        assert [r["id"] for r in first.plane.store.queued()] == queued  # written before the 202
+        last_event = max(e["id"] for e in first.events.since(0))
+        first.plane.stop()  # resign: the second leads at its next poll
+        wait_for(lambda: second.plane.is_leader, 10, what="m2 to lead")
+        with second.cluster.lock:
+            order = list(second.cluster.queue.ids())
+        assert order == queued
+        assert min(e["id"] for e in second.events.since(0)) > last_event
+    finally:
+        stop.set()
+        serving.join(5)
+        agent.close()
