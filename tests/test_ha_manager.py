@@ -21,7 +21,7 @@ from gpumgr.manager.service import Manager
 from gpumgr.manager.store_etcd import EtcdQueueJournal
 from gpumgr.wire import protocol, security
 from gpumgr.wire.errors import GpumgrError
-from tests.fake_agent import GiB, FakeAgent
+from tests.fake_agent import FakeAgent, GiB
 from tests.procs import free_port, wait_for
 
 
