@@ -141,18 +141,21 @@ class Manager:
 
     def __init__(self, url: str | None) -> None:
         settings = _settings()
-        self.url = (url or os.environ.get(Env.MANAGER) or settings.get("manager") or DEFAULT_MANAGER).rstrip("/")
+        given = url or os.environ.get(Env.MANAGER) or settings.get("manager") or DEFAULT_MANAGER
+        # several managers, comma-separated: the next is tried when one cannot be reached  # issue 21
+        self.urls = [u.strip().rstrip("/") for u in str(given).split(",") if u.strip()] or [DEFAULT_MANAGER]
+        self.url = self.urls[0]
         token = os.environ.get(Env.TOKEN) or settings.get("token")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     def call(self, method: str, path: str, *, params: dict[str, str] | None = None, json_body: Any = None) -> Any:
         """One REST call (the standard library's client: this CLI should start fast)."""
-        url = self.url + path + (f"?{urllib.parse.urlencode(params)}" if params else "")
         data = None if json_body is None else json.dumps(json_body).encode()
         headers = {**self.headers, **({"Content-Type": "application/json"} if data is not None else {})}
-        request = urllib.request.Request(url, data=data, method=method, headers=headers)
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
         try:
-            with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
+            with self._open(lambda base: urllib.request.Request(base + path + query, data=data, method=method,
+                                                                headers=headers), TIMEOUT) as response:
                 return json.loads(response.read() or b"{}")
         except urllib.error.HTTPError as exc:
             raise _http_error(exc) from None
@@ -160,17 +163,33 @@ class Manager:
             raise PluginError(f"cannot reach the gpumgr manager at {self.url} ({exc}); "
                               "set --manager or GPUMGR_MANAGER") from None
 
-
     def stream(self, path: str, params: dict[str, str], accept: str) -> Any:
         """A streamed GET (no read timeout: a quiet container may say nothing for hours), for ``with``."""
-        url = self.url + path + f"?{urllib.parse.urlencode(params)}"
-        request = urllib.request.Request(url, headers={**self.headers, "Accept": accept})
+        query = f"?{urllib.parse.urlencode(params)}"
         try:
-            return urllib.request.urlopen(request)
+            return self._open(lambda base: urllib.request.Request(base + path + query,
+                                                                  headers={**self.headers, "Accept": accept}), None)
         except urllib.error.HTTPError as exc:
             raise _http_error(exc) from None
         except (urllib.error.URLError, OSError) as exc:
             raise PluginError(f"cannot reach the gpumgr manager at {self.url} ({exc})") from None
+
+    def _open(self, build: Any, timeout: float | None) -> Any:  # issue 21
+        """Open the request ``build(base)`` makes on the first manager that takes the connection.
+
+        Only a connection that could not be made moves on to the next URL: a manager that got the
+        request may have carried it out, so it is never sent twice.
+        """
+        for index, base in enumerate(self.urls):
+            try:
+                return urllib.request.urlopen(build(base), timeout=timeout) if timeout is not None \
+                    else urllib.request.urlopen(build(base))
+            except urllib.error.URLError as exc:
+                refused = isinstance(exc.reason, OSError) and not isinstance(exc.reason, TimeoutError)
+                if isinstance(exc, urllib.error.HTTPError) or not refused or index == len(self.urls) - 1:
+                    raise
+                self.url = self.urls[index + 1]
+        raise PluginError("no gpumgr manager address given")
 
 
 def _http_error(exc: urllib.error.HTTPError) -> PluginError:
