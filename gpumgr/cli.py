@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     token.add_argument("--rotate", action="store_true", help="make a new secret: the old token admits no one")
     _store_flags(token)
     token.set_defaults(func=run_join_token_command)
-    store = sub.add_parser("store", help="experimental: the etcd store several managers share")
+    store = sub.add_parser("store", help="the etcd store several managers share")
     store_actions = store.add_subparsers(required=True, metavar="ACTION")
     store_status = store_actions.add_parser("status", help="the leader, its epoch, bindings and queue (JSON)")
     _store_flags(store_status)
@@ -97,7 +97,7 @@ def _manager_flags(parser: argparse.ArgumentParser, config_flag: str) -> None:
 
 
 def _store_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--store", metavar="URL", help="experimental: several managers on etcd, "
+    parser.add_argument("--store", metavar="URL", help="several managers on etcd, "
                         "etcd://HOST:PORT[,HOST:PORT...][/PREFIX] (etcds:// for TLS)")
     parser.add_argument("--store-ca", dest="store_ca", metavar="FILE", help="CA bundle that verifies etcd")
     parser.add_argument("--store-cert", dest="store_cert", metavar="FILE", help="client certificate for etcd")
@@ -225,13 +225,11 @@ def run_join_token_command(args: argparse.Namespace) -> int:
     from gpumgr.manager.admission import Admission
 
     store = None
-    if args.store:
-        if args.rotate:
-            raise ValueError("--rotate with --store: only the leading manager may change the shared secret, and "
-                             "rotation through it is not available yet")
-        from gpumgr.manager.ha import read_only_store
+    if args.store:  # several managers: the secret is in etcd, and a rotation there reaches them all at once
+        from gpumgr.manager.ha import read_only_store, rotating_store
 
-        store = read_only_store(args.store, ca=args.store_ca, cert=args.store_cert, key=args.store_key)
+        opener = rotating_store if args.rotate else read_only_store
+        store = opener(args.store, ca=args.store_ca, cert=args.store_cert, key=args.store_key)
     admission = Admission(args.state_dir or ManagerSettings().state_dir, store=store)
     if args.rotate:
         admission.rotate()

@@ -33,7 +33,7 @@ class ManagerSettings(Settings):
     policy: Policy = Field(default_factory=Policy)
     queue_aging: float = Field(defaults.QUEUE_AGING, gt=0)
     log_level: str = "INFO"
-    #: several managers on etcd (experimental): ``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]``, ``etcds://`` for TLS
+    #: several managers on etcd: ``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]``, ``etcds://`` for TLS
     store: str | None = None
     store_ca: str | None = None
     store_cert: str | None = None

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from gpumgr.manager import etcdv3
 from gpumgr.manager.etcdv3 import EtcdClient, parse_endpoints
 from gpumgr.manager.leadership import Leadership
 from gpumgr.manager.store import Fenced, FileStore, Store
@@ -193,6 +194,20 @@ def read_only_store(url: str, *, ca: str | None = None, cert: str | None = None,
     """The store at ``url`` for reading (and creating the join secret if absent); every other write is refused."""
     client, where = _client(url, ca, cert, key)
     return EtcdStore(client, _no_writes, prefix=where.prefix)
+
+
+def rotating_store(url: str, *, ca: str | None = None, cert: str | None = None, key: str | None = None) -> Store:
+    """The store at ``url`` for ``gpumgr join-token --rotate`` on any host: it may write the join secret only.
+
+    The secret is read afresh at every join, so writing it needs no leader; the write is guarded by
+    the store's generation, so it never lands in a store rebuilt meanwhile.
+    """
+    client, where = _client(url, ca, cert, key)
+    leadership = Leadership(client, "join-token", prefix=where.prefix)
+    generation = client.get(leadership.generation_key)
+    if generation is None:
+        raise ValueError(f"--store {url}: no manager has used this store yet; start one first")
+    return EtcdStore(client, lambda: [etcdv3.holds(leadership.generation_key, generation.value)], prefix=where.prefix)
 
 
 def describe(url: str, *, ca: str | None = None, cert: str | None = None, key: str | None = None) -> dict[str, Any]:

@@ -125,9 +125,14 @@ def test_store_status_and_join_token_read_a_shared_store(etcd, tmp_path) -> None
         assert token.returncode == 0, token.stderr
         last = token.stdout.strip().splitlines()[-1]
         assert security.parse_token(last)[1] == plane.store.join_secret()
+        # any host rotates the shared secret: the leader reads it at the next join
         rotate = gpumgr("join-token", "--state-dir", state, "--store", url, "--rotate")
-        assert rotate.returncode == 2 and "leading manager" in rotate.stderr
-        assert plane.store.join_secret() == security.parse_token(last)[1]
+        assert rotate.returncode == 0, rotate.stderr
+        fresh = security.parse_token(rotate.stdout.strip().splitlines()[-1])[1]
+        assert fresh != security.parse_token(last)[1] and plane.store.join_secret() == fresh
+        assert plane.is_leader  # the rotation is no leader's write: the leader leads on
+        fresh_store = gpumgr("join-token", "--state-dir", state, "--store", url + "-other", "--rotate")
+        assert fresh_store.returncode == 2 and "no manager has used this store" in fresh_store.stderr
         unreachable = gpumgr("store", "status", "--store", "etcd://127.0.0.1:1")
         denied = gpumgr("join-token", "--state-dir", state, "--store", "etcd://127.0.0.1:1")
         for failed in (unreachable, denied):
