@@ -93,8 +93,12 @@ class _ReservedBlocks:
         return taken
 
     def renew(self) -> None:
-        """Start a fresh block at the next event (this manager has just become leader)."""
-        self._ids = range(0)
+        """Reserve a fresh block now (this manager has just become leader), not under the map's lock later."""
+        try:
+            self._ids = self._reserve(ID_BLOCK)
+        except Exception as exc:  # the next event tries again
+            log.warning("could not reserve event ids in the store (%s); trying again at the next event", exc)
+            self._ids = range(0)
 
 
 class EventLog:
@@ -112,7 +116,7 @@ class EventLog:
             else _IdBlocks(state_dir)
 
     def renew_ids(self) -> None:
-        """Reserve a fresh block of ids before the next event (a new leader's come after its predecessor's)."""
+        """Reserve a fresh block of ids now (a new leader's come after its predecessor's)."""
         with self._lock:
             if isinstance(self._ids, _ReservedBlocks):
                 self._ids.renew()

@@ -90,7 +90,6 @@ class Manager:
             self._dispatcher.join(5)
         self.link.stop()
         self.cluster.journal.close()
-        self.plane.store.close()
 
     def reload_tenants(self, settings: ManagerSettings) -> None:
         """Put new tenants, quotas and tokens in force (SIGHUP); raises ValueError, keeping the old ones."""
