@@ -22,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from gpumgr import __version__
 from gpumgr.agent.enforcer import Enforcer, EnforcerSettings
 from gpumgr.agent.fence import Fence, StaleEpoch
 from gpumgr.agent.gpus import GpuSource
@@ -247,7 +248,7 @@ class Agent:
         refused = list(self.runtime.refused)
         message = protocol.Register(node=self.node, runtime=self.runtime.kind, gpus=gpus,
                                     containers=[m.report() for m in managed], refused=refused,
-                                    instance=self.instance)
+                                    instance=self.instance, version=__version__)
         try:
             protocol.encode(message)
         except ProtocolError:  # long commands or labels: the grants matter, those do not

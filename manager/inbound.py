@@ -21,8 +21,23 @@ if TYPE_CHECKING:
     from gpumgr.manager.service import Manager
 
 log = logging.getLogger(__name__)
+#: The oldest agent whose commands this manager's match (a rolling upgrade moves agents first, then managers).
+MIN_AGENT_VERSION = "0.1.0"
 #: What a manager that does not lead answers an agent (the agent's side: ``gpumgr.agent.managers.NOT_LEADER``).
 NOT_LEADER = "not_leader"
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """``"1.2.3rc1"`` as ``(1, 2, 3)``: the leading digits of each dotted part, for ordering versions."""
+    parts = []
+    for part in text.split(".")[:4]:
+        digits = ""
+        for char in part:
+            if not char.isdigit():
+                break
+            digits += char
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
 
 
 class Inbound:
@@ -111,6 +126,12 @@ class Inbound:
         self.manager.admission.admit_later(peer.key, message.node, message.proof, settled)
 
     def _register(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Register) -> None:
+        if message.version and version_tuple(message.version) < version_tuple(MIN_AGENT_VERSION):
+            why = (f"this manager needs gpumgr agent {MIN_AGENT_VERSION} or newer to understand its commands; node "
+                   f"{message.node} runs {message.version}: upgrade its agent")
+            log.warning("refused the registration of node %s: %s", message.node, why)
+            self.link.send(peer.routing_id, protocol.Refused(code="agent_too_old", message=why), reply_to=envelope.id)
+            return
         try:
             orphans, commands, restarted = self.cluster.register(
                 message.node, peer.routing_id, message.runtime, message.gpus, message.containers, key=peer.key,

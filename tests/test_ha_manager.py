@@ -122,3 +122,21 @@ def test_the_next_leader_takes_the_queue_in_order_and_event_ids_keep_rising(two)
         stop.set()
         serving.join(5)
         agent.close()
+
+
+def test_an_agent_too_old_for_the_managers_commands_is_told_which_version_it_needs(tmp_path) -> None:
+    manager = Manager(ManagerSettings(state_dir=str(tmp_path / "solo"), agents=f"tcp://127.0.0.1:{free_port()}"))
+    manager.start()
+    agent = FakeAgent(manager.settings.agents, manager.admission.token(), node="ha2-old")
+    try:
+        assert agent.join().ok
+        agent.send(protocol.Register(node="ha2-old", runtime="docker", gpus=agent.gpus, version="0.0.9"))
+        refused = agent.expect(protocol.Refused)
+        assert refused.code == "agent_too_old" and "0.1.0 or newer" in refused.message and "0.0.9" in refused.message
+        assert not manager.cluster.node_ready("ha2-old")
+        agent.send(protocol.Register(node="ha2-old", runtime="docker", gpus=agent.gpus, version="0.1.0"))
+        agent.expect(protocol.Registered)
+        assert manager.cluster.node_ready("ha2-old")
+    finally:
+        agent.close()
+        manager.stop()

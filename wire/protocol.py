@@ -156,6 +156,8 @@ class Register(Message):
     refused: list[RefusedAdoption] = Field(default_factory=list, max_length=defaults.MAX_CONTAINERS_PER_NODE)
     #: drawn once per agent process: a registration with another one is a restart, not a reconnect
     instance: str = Field(default="", max_length=64)
+    #: the agent's gpumgr version, so a manager can refuse one too old for its commands ("": before 0.1.0)
+    version: str = Field(default="", max_length=32, pattern=r"^[0-9A-Za-z.+-]*$")  # issue 21
 
 
 class Registered(Message):
