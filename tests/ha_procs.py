@@ -23,6 +23,17 @@ from tests.procs import AgentProc, ManagerProc, wait_for
 ELECTED = 20.0
 
 
+def shared_state(tmp: Path, name: str) -> str:
+    """A fresh state directory ``tmp/name`` holding the one key pair every manager of ``tmp`` shares."""
+    state = tmp / name
+    state.mkdir(mode=0o700, exist_ok=True)
+    shared = tmp / "shared-key" / KEY_FILE
+    shared.parent.mkdir(mode=0o700, exist_ok=True)
+    security.load_keys(shared)
+    shutil.copy2(shared, state / KEY_FILE)
+    return str(state)
+
+
 class HaManager(ManagerProc):
     """One manager of several: a :class:`ManagerProc` whose health says its role."""
 
@@ -58,9 +69,7 @@ class HaManagers:
         from tests.procs import free_port
 
         api_port = api_port or free_port()
-        state = self.tmp / f"manager-state-{api_port}"
-        state.mkdir(mode=0o700, exist_ok=True)
-        shutil.copy2(self.key, state / KEY_FILE)
+        shared_state(self.tmp, f"manager-state-{api_port}")
         manager = HaManager(self.tmp, "--store", self.store, "--advertise-api", f"http://127.0.0.1:{api_port}",
                             api_port=api_port, agent_port=agent_port)
         self.managers = [m for m in self.managers if m.api_port != api_port] + [manager]

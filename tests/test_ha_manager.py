@@ -7,32 +7,25 @@ follower's ``not_leader`` to a join and a registration, the queue and event ids 
 
 from __future__ import annotations
 
-import shutil
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from gpumgr.manager.admission import KEY_FILE
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.records import PlacementSpec
 from gpumgr.manager.service import Manager
 from gpumgr.manager.store_etcd import EtcdQueueJournal
-from gpumgr.wire import protocol, security
+from gpumgr.wire import protocol
 from gpumgr.wire.errors import GpumgrError
 from tests.fake_agent import FakeAgent, GiB
+from tests.ha_procs import shared_state
 from tests.procs import free_port, wait_for
 
 
 def settings(tmp_path: Any, url: str, name: str) -> ManagerSettings:
-    state = tmp_path / name
-    state.mkdir(mode=0o700, exist_ok=True)
-    shared = tmp_path / "shared" / KEY_FILE
-    shared.parent.mkdir(mode=0o700, exist_ok=True)
-    security.load_keys(shared)
-    shutil.copy2(shared, state / KEY_FILE)
-    return ManagerSettings(store=url, state_dir=str(state), agents=f"tcp://127.0.0.1:{free_port()}",
+    return ManagerSettings(store=url, state_dir=shared_state(tmp_path, name), agents=f"tcp://127.0.0.1:{free_port()}",
                            advertise_api=f"http://127.0.0.1:{free_port()}")
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -11,25 +10,19 @@ import pytest
 from werkzeug.serving import make_server
 
 from gpumgr.manager import forward
-from gpumgr.manager.admission import KEY_FILE
 from gpumgr.manager.app import create_app
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.leadership import Leadership
 from gpumgr.manager.service import Manager
 from gpumgr.plugin.docker_gpu import Manager as Client
 from gpumgr.plugin.docker_gpu import PluginError
-from gpumgr.wire import security
+from tests.ha_procs import shared_state
 from tests.procs import free_port, wait_for
 
 
 def started(tmp_path: Any, url: str, name: str, **extra: Any) -> Manager:
-    state = tmp_path / name
-    state.mkdir(mode=0o700, exist_ok=True)
-    shared = tmp_path / "shared" / KEY_FILE
-    shared.parent.mkdir(mode=0o700, exist_ok=True)
-    security.load_keys(shared)
-    shutil.copy2(shared, state / KEY_FILE)
-    manager = Manager(ManagerSettings(store=url, state_dir=str(state), agents=f"tcp://127.0.0.1:{free_port()}",
+    manager = Manager(ManagerSettings(store=url, state_dir=shared_state(tmp_path, name),
+                                      agents=f"tcp://127.0.0.1:{free_port()}",
                                       advertise_api=f"http://127.0.0.1:{free_port()}", **extra))
     manager.start()
     return manager

@@ -13,10 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -24,6 +22,7 @@ import requests
 
 from gpumgr.wire.epoch import Epoch
 from tests.etcd import EtcdCluster
+from tests.faults.test_faults import fire
 from tests.ha_procs import HaManager, HaManagers
 from tests.invariant import settles
 from tests.procs import AgentProc, wait_for
@@ -44,25 +43,6 @@ def engine_of(docker_client: Any, *nodes: str) -> list[dict[str, Any]]:
     for node in nodes:
         found += docker_client.api.containers(all=True, filters={"label": f"gpumgr.node={node}"})
     return found
-
-
-def burst(url: str, bodies: list[dict[str, Any]]) -> tuple[list[Any], threading.Thread]:
-    """POST every body at once on background threads; the list fills with answers (or exceptions)."""
-    results: list[Any] = []
-
-    def one(body: dict[str, Any]) -> None:
-        try:
-            results.append(requests.post(url + "/v1/containers", json=body, timeout=120))
-        except requests.RequestException as exc:
-            results.append(exc)
-
-    def all_of() -> None:
-        with ThreadPoolExecutor(len(bodies)) as pool:
-            list(pool.map(one, bodies))
-
-    thread = threading.Thread(target=all_of)
-    thread.start()
-    return results, thread
 
 
 def follow(agents: list[AgentProc], leader: HaManager) -> None:
@@ -107,7 +87,7 @@ def test_leader_killed_during_a_burst_then_queue_keeps_its_order_through_a_secon
     assert forwarded.json()["id"] in {r["id"] for r in first.get("/v1/containers").json()["containers"]}
 
     # kill -9 the leader while a burst of creates goes through the follower
-    results, thread = burst(follower.url, [job(test_image, "2GiB", f"b{i}") for i in range(8)])
+    results, thread = fire(follower, "POST", [job(test_image, "2GiB", f"b{i}") for i in range(8)])
     wait_for(lambda: len(engine_of(docker_client, *NODES)) >= 3, 60, what="creates under way")
     first.stop(signal.SIGKILL)
     second = ha.leader(besides=first)
