@@ -133,3 +133,35 @@ def test_an_agent_too_old_for_the_managers_commands_is_told_which_version_it_nee
     finally:
         agent.close()
         manager.stop()
+
+
+def test_queue_changes_reach_etcd_in_order_in_few_transactions_and_a_fenced_batch_is_dropped(etcd) -> None:
+    from gpumgr.manager.leadership import Leadership
+    from gpumgr.manager.store import Fenced
+    from gpumgr.manager.store_etcd import EtcdStore
+
+    leadership = Leadership(etcd.client(), "q", prefix="/journal/")
+    leadership.start()
+    try:
+        wait_for(lambda: leadership.is_leader, 10, what="the journal's writer to lead")
+        store = EtcdStore(etcd.client(), leadership.guard, prefix="/journal/")
+        journal = EtcdQueueJournal(store)
+        before = int(etcd.client().call("/v3/kv/range", {"key": "eA=="})["header"]["revision"])
+        for i in range(300):
+            journal.add({"id": f"r{i:03d}", "n": i})
+        journal.remove("r005")
+        journal.add({"id": "gone", "n": -1})
+        journal.remove("gone")  # queued and taken off in one batch: only its delete is sent
+        assert store.queued() == []  # nothing is written before sync
+        journal.sync()
+        after = int(etcd.client().call("/v3/kv/range", {"key": "eA=="})["header"]["revision"])
+        assert after - before == 3  # 301 operations (299 puts, 2 deletes), at most 128 per transaction
+        assert [r["id"] for r in store.queued()] == [f"r{i:03d}" for i in range(300) if i != 5]
+        leadership.step_down("a test")
+        journal.remove("r000")
+        with pytest.raises(Fenced):
+            journal.sync()
+        journal.sync()  # the fenced batch was dropped: nothing is tried again
+        assert len(store.queued()) == 299
+    finally:
+        leadership.stop()
