@@ -147,7 +147,8 @@ def test_a_paused_leader_comes_back_fenced_steps_down_and_changes_nothing(plane,
     wait_for(lambda: (first.health() or {}).get("role") == "follower", 15, what="the old leader to step down")
     wait_for(lambda: "no longer leading" in first.output(), 10, what="the old leader's step-down line")
     assert ha.leader() is second, "the old leader came back and took over again"
-    # its agents refused every frame it still stamped with its old epoch; nothing changed on the engine
+    # it stopped before it could send anything (a frame it sent would carry its old epoch, which agents refuse:
+    # tests/test_ha_manager.py); nothing changed on the engine
     after = {c["Id"] for c in engine_of(docker_client, *NODES) if c["State"] == "running"}
     assert after == before
     settles(second, docker_client, set(NODES))
