@@ -13,6 +13,7 @@ manager itself; ``/healthz`` says who leads and whether this manager's tenants m
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import time
@@ -116,11 +117,16 @@ def _never_sent(exc: requests.ConnectionError) -> bool:
 
 
 def tenants_digest(manager: Manager) -> str:
-    """A short digest of this manager's tenants, tokens and policy: every manager of a plane must agree."""
+    """A short digest of this manager's tenants, tokens and policy: every manager of a plane must agree.
+
+    ``/healthz`` is open, and the settings hold tokens: the digest is an HMAC keyed by the managers'
+    shared CURVE secret key, so it says "same or not" to anyone and lets no one test guesses of a token.
+    """
     settings = manager.settings
     data = {"token": settings.token, "policy": settings.policy.model_dump(mode="json"),
             "tenants": {name: config.model_dump(mode="json") for name, config in sorted(settings.tenants.items())}}
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    body = json.dumps(data, sort_keys=True, default=str).encode()
+    return hmac.new(manager.admission.keys.secret.encode(), body, hashlib.sha256).hexdigest()[:16]
 
 
 def health(manager: Manager) -> dict[str, Any]:

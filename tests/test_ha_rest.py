@@ -103,3 +103,14 @@ def test_the_plugin_tries_the_next_manager_it_was_given(manager) -> None:
     assert client.url == manager.url
     with pytest.raises(PluginError, match="cannot reach"):
         Client(f"{dead},http://127.0.0.1:{free_port()}").call("GET", "/v1/nodes")
+
+
+def test_the_tenants_digest_is_keyed_by_the_managers_secret_key(tmp_path) -> None:
+    # /healthz is open: with the same tenants and token, only managers holding the same key pair agree
+    same = {"token": "weak", "agents": "tcp://127.0.0.1:1"}
+    one = Manager(ManagerSettings(state_dir=str(tmp_path / "one"), **same))
+    other = Manager(ManagerSettings(state_dir=str(tmp_path / "other"), **same))
+    twin = Manager(ManagerSettings(state_dir=shared_state(tmp_path, "twin"), **same))
+    twin_too = Manager(ManagerSettings(state_dir=shared_state(tmp_path, "twin-too"), **same))
+    assert forward.tenants_digest(one) != forward.tenants_digest(other)
+    assert forward.tenants_digest(twin) == forward.tenants_digest(twin_too)
