@@ -41,6 +41,7 @@ def test_three_etcd_members_one_per_manager_node_with_compaction(stack) -> None:
         assert env["ETCD_AUTO_COMPACTION_RETENTION"] == "1" and env["ETCD_MAX_TXN_OPS"] == "128"
         assert member["deploy"]["placement"]["constraints"] == ["node.role == manager", f"node.labels.gpumgr.ha == {i}"]
         assert list(member["networks"]) == ["hostnet"] and member["volumes"][0]["target"] == "/var/lib/etcd"
+        assert member["entrypoint"] == ["etcd"] and member["image"] == stack["services"]["manager1"]["image"]
     assert stack["networks"]["hostnet"]["name"] == "host"
 
 
