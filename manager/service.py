@@ -140,6 +140,7 @@ class Manager:
         record = self.cluster.get_for(cid, principal)
         tenant = self.tenants.get(record.tenant) if record.tenant is not None else None
         record, command = self.cluster.begin_resize(cid, memory, force=force, tenant=tenant)
+        self.sync_queue(strict=True)
         if command is not None:
             self.send([command])
             self._wait([command], self.settings.remove_timeout)
@@ -155,6 +156,7 @@ class Manager:
         """
         self.leading.check()
         record, commands = self.cluster.request_removal(cid)
+        self.sync_queue(strict=True)
         self.send(commands)
         if commands:
             self._wait(commands, self.settings.remove_timeout)
@@ -225,22 +227,28 @@ class Manager:
         if not self.leading.placing:
             return
         commands, hooks = self.cluster.dispatch()
+        # what left the queue is written before its creates go out: a leader that dies in between must not
+        # leave the next one a queued request whose container already runs
+        self.sync_queue()
         for record in hooks:
             self.inbound.answer_hook(record.id, self.inbound.grant_reply(record))
         self.inbound.settle_hook_waiters()
         self.send(commands)
-        self.sync_queue()
 
-    def sync_queue(self) -> None:
+    def sync_queue(self, *, strict: bool = False) -> None:
         """Write the queue's changes to a shared store (outside the model's lock); a failure is retried later.
 
         A fenced write has already made this manager step down; an unreachable store keeps the changes
         for the next pass (the state directory's journal is written as it goes, and has nothing to do).
+        With ``strict`` the failure is raised: a DELETE or PATCH of a queued request is answered only
+        once the store holds it, or a new leader would bring the old request back.
         """
         if isinstance(self.cluster.journal, EtcdQueueJournal):
             try:
                 self.cluster.journal.sync()
             except GpumgrError as exc:
+                if strict:
+                    raise
                 log.warning("queue changes not written to the store yet: %s", exc.message)
 
     def _dispatch_loop(self) -> None:
