@@ -233,6 +233,15 @@ class Health(_Shape):
     status: Literal["ok"]
     nodes_ready: int
     token_required: bool = Field(description="whether the API answers only with a bearer token")
+    # several managers on etcd (issue 21)
+    version: str = Field(description="this manager's gpumgr version")
+    tenants_digest: str = Field(description="digest of the tenants, tokens and policy: equal on every manager")
+    role: Literal["leader", "follower"] = Field(description="whether this manager leads its control plane")
+    leader: str | None = Field(description="the leader's API URL (null: one manager alone, or none leads)")
+    epoch: str | None = Field(description="this manager's epoch while it leads, generation.revision")
+    store: Literal["dir", "etcd"] = Field(description="the state directory, or etcd shared by several managers")
+    store_reachable: bool | None = Field(None, description="whether etcd answers (several managers only)")
+    warning: str | None = Field(None, description="set when this manager's tenants differ from the leader's")
 
 
 RESPONSES: tuple[type[BaseModel], ...] = (Error, ContainerRecord, ContainerList, NodeList, NodeForgotten,
@@ -249,7 +258,8 @@ ERRORS = {
          "container not running (conflict)",
     413: "the body is over 1 MiB",
     502: "the agent could not do it",
-    503: "no agent is ready, or the container's node is down",
+    503: "no agent is ready, or the container's node is down; with several managers, no manager leads "
+         "(no_leader) or etcd lost its quorum (no_quorum), with Retry-After",  # issue 21
     504: "the agent did not answer in time",
 }
 
