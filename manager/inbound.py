@@ -64,6 +64,9 @@ class Inbound:
         if not self.manager.plane.is_leader:
             self._not_leader(peer, envelope, message)
             return
+        if not self.manager.leading.loaded:  # elected a moment ago, still reading the store: the agent asks again
+            log.info("dropped %s while loading the store after an election", envelope.type)
+            return
         if isinstance(message, protocol.Join):
             self._join(peer, envelope, message)
             return

@@ -24,6 +24,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from gpumgr.manager.ha import Replicated
 from gpumgr.manager.store_etcd import EtcdQueueJournal
 from gpumgr.wire import defaults
 from gpumgr.wire.epoch import Epoch
@@ -75,13 +76,24 @@ class Leading:
         self._grace_until = 0.0
         self._settled = threading.Event()
         self._settled.set()  # a single manager, or one that never led: nothing to wait for
+        #: the epoch whose election has been handled (store loaded): leading starts there, not at the lease
+        self._loaded: Epoch | None = None
+        self._alone = not isinstance(self.plane, Replicated)
         self.plane.on_elected(self.elected)
         self.plane.on_lost(self.lost)
 
     @property
+    def loaded(self) -> bool:
+        """Whether this manager leads and has loaded what its predecessor left (a single manager: always)."""
+        if self._alone:
+            return True
+        epoch = self.plane.epoch
+        return epoch is not None and epoch == self._loaded
+
+    @property
     def placing(self) -> bool:
-        """Whether this manager may place and run the queue now: it leads and its grace is over."""
-        return self.plane.is_leader and self.grace_over()
+        """Whether this manager may place and run the queue now: it leads, has loaded the store, its grace is over."""
+        return self.loaded and self.grace_over()
 
     def grace_over(self) -> bool:
         """Whether the nodes known at election have registered again, or the grace ran out."""
@@ -101,21 +113,24 @@ class Leading:
         return True
 
     def wait(self, timeout: float) -> None:
-        """Wait (at most ``timeout`` seconds) for the grace after an election to end."""
+        """Wait (at most ``timeout`` seconds) for the store to be loaded and the grace after an election to end."""
         deadline = time.monotonic() + timeout
-        while not self.grace_over() and time.monotonic() < deadline:
-            self._settled.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+        while not self.placing and self.plane.is_leader and time.monotonic() < deadline:
+            time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
 
     def check(self) -> None:
         """Raise NotLeader unless this manager leads; wait out the grace after an election first."""
         if not self.plane.is_leader:
             raise NotLeader("this manager does not lead the control plane now")
         self.wait(self.grace)
+        if not self.loaded:
+            raise NotLeader("this manager stopped leading while it waited for the nodes to register")
 
     # --- the control plane's callbacks ---------------------------------------------------------
     def elected(self, epoch: Epoch) -> None:
         """Load bindings, queue and event ids from the store; wait for the known nodes (bounded)."""
         manager = self.manager
+        self._loaded = None
         manager.admission.reload()
         manager.events.renew_ids()
         self._expected = set(manager.admission.nodes())
@@ -123,6 +138,7 @@ class Leading:
         if self._expected:
             self._settled.clear()
         restored = self._reload_queue()
+        self._loaded = epoch
         log.warning("leading (epoch %s): %d queued request(s) loaded; waiting up to %gs for %d known node(s)",
                     epoch, restored, self.grace, len(self._expected))
 

@@ -35,7 +35,7 @@ def two(etcd, tmp_path) -> Iterator[tuple[Manager, Manager]]:
     url = "etcd://" + etcd.endpoints[0].removeprefix("http://") + "/wired"
     first = Manager(settings(tmp_path, url, "m1"))
     first.start()
-    wait_for(lambda: first.plane.is_leader, 10, what="m1 to lead")
+    wait_for(lambda: first.leading.loaded, 10, what="m1 to lead")
     second = Manager(settings(tmp_path, url, "m2"))
     second.start()
     wait_for(lambda: second.plane.leader() is not None, 10, what="m2 to see the leader")
@@ -72,7 +72,7 @@ def test_a_command_carries_the_epoch_and_stale_epoch_makes_the_leader_step_down(
         agent.send(protocol.Reply(ok=False, error=refusal), reply_to=envelope.id)
         thread.join(30)
         assert "error" in outcome, outcome
-        wait_for(lambda: second.plane.is_leader, 10, what="m2 to lead once m1 stepped down")
+        wait_for(lambda: second.leading.loaded, 10, what="m2 to lead once m1 stepped down")
         assert not first.plane.is_leader
         assert second.plane.epoch is not None and second.plane.epoch > epoch
     finally:
@@ -112,7 +112,7 @@ def test_the_next_leader_takes_the_queue_in_order_and_event_ids_keep_rising(two)
         queued.remove(queued[1])
         last_event = max(e["id"] for e in first.events.since(0))
         first.plane.stop()  # resign: the second leads at its next poll
-        wait_for(lambda: second.plane.is_leader, 10, what="m2 to lead")
+        wait_for(lambda: second.leading.loaded, 10, what="m2 to lead")
         with second.cluster.lock:
             order = list(second.cluster.queue.ids())
         assert order == queued
@@ -171,3 +171,24 @@ def test_queue_changes_reach_etcd_in_order_in_few_transactions_and_a_fenced_batc
         assert len(store.queued()) == 299
     finally:
         leadership.stop()
+
+
+def test_a_new_leader_places_nothing_until_it_has_read_the_store(two) -> None:
+    first, second = two
+    reading, release = threading.Event(), threading.Event()
+    real = second.plane.store.queued
+
+    def slow_queued() -> list[dict[str, Any]]:  # the store answers slowly (etcd busy electing a leader of its own)
+        reading.set()
+        release.wait(10)
+        return real()
+
+    second.plane.store.queued = slow_queued  # type: ignore[method-assign]
+    first.plane.stop()
+    try:
+        assert reading.wait(10), "the new leader did not read the queue"
+        assert second.plane.is_leader  # its lease says it leads ...
+        assert not second.leading.placing  # ... but it places nothing before the store is read
+    finally:
+        release.set()
+    wait_for(lambda: second.leading.placing, 10, what="the new leader to place once it has read the store")

@@ -37,7 +37,7 @@ def store_url(etcd) -> str:
 def served(tmp_path, store_url) -> Iterator[Manager]:
     """A leading manager whose API is served at the URL it advertises."""
     leader = started(tmp_path, store_url, "leader")
-    wait_for(lambda: leader.plane.is_leader, 10, what="the leader to lead")
+    wait_for(lambda: leader.leading.loaded, 10, what="the leader to lead")
     api = leader.settings.advertise_api or ""
     server = make_server("127.0.0.1", int(api.rsplit(":", 1)[1]), create_app(leader), threaded=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
