@@ -28,7 +28,15 @@ from gpumgr.agent.fence import Fence, StaleEpoch
 from gpumgr.agent.gpus import GpuSource
 from gpumgr.agent.hookrelay import MANAGER, HookRelay, bind_relay
 from gpumgr.agent.identity import Identity
-from gpumgr.agent.managers import NOT_LEADER, NOT_LEADER_PAUSE, SILENT_AFTER, ManagerSet, parse_managers
+from gpumgr.agent.managers import (
+    NO_LEADER,
+    NO_LEADER_PAUSE,
+    NOT_LEADER,
+    NOT_LEADER_PAUSE,
+    SILENT_AFTER,
+    ManagerSet,
+    parse_managers,
+)
 from gpumgr.agent.meter import Sample, take_sample
 from gpumgr.agent.runtime import ChangeCallback, Managed, Runtime
 from gpumgr.wire import defaults, protocol, security
@@ -215,8 +223,9 @@ class Agent:
             self.registered.set()
             self._backoff, self._next_beat = defaults.RECONNECT_MIN, 0.0
             log.info("registered with the manager at %s", self.managers.current)
-        elif isinstance(message, protocol.Refused) and message.code == NOT_LEADER and self.managers.several:
-            self._move_on(f"it does not lead: {message.message}", pause=jittered(NOT_LEADER_PAUSE))
+        elif _not_leader(message) and self.managers.several:
+            pause = NO_LEADER_PAUSE if getattr(message, "code", "") == NO_LEADER else NOT_LEADER_PAUSE
+            self._move_on(f"it does not lead: {getattr(message, 'message', '')}", pause=jittered(pause))
         elif isinstance(message, protocol.Refused):
             self._fail(f"the manager refused this node's registration: {message.message}")
         elif isinstance(message, protocol.Reregister):
@@ -323,8 +332,9 @@ class Agent:
 def _not_leader(message: protocol.Message) -> bool:
     """Whether ``message`` is a manager's answer that it does not lead (a refused registration or request)."""
     if isinstance(message, protocol.Refused):
-        return message.code == NOT_LEADER
-    return isinstance(message, protocol.Reply) and message.error is not None and message.error.code == NOT_LEADER
+        return message.code in (NOT_LEADER, NO_LEADER)
+    return isinstance(message, protocol.Reply) and message.error is not None and \
+        message.error.code in (NOT_LEADER, NO_LEADER)
 
 
 def jittered(seconds: float) -> float:

@@ -33,8 +33,13 @@ PASS_OVER = 2 * defaults.NODE_DOWN_AFTER
 NOT_LEADER_PAUSE = 0.2
 #: Registrations sent to one manager without an answer before the next is tried.
 UNANSWERED_TRIES = 4
-#: The code a manager that does not lead refuses registration with.
+#: The code a manager that does not lead refuses registration with (another manager leads: ask the next).
 NOT_LEADER = "not_leader"
+#: The code of a manager that knows no leader at all (an election is under way, or etcd lost its quorum).
+NO_LEADER = "no_leader"
+#: Seconds before asking the next manager after a ``no_leader``: the ring is walked at a calm pace while
+#: nobody can take a registration (etcd without quorum can last minutes), instead of five times a second.
+NO_LEADER_PAUSE = 1.0
 
 
 def parse_managers(text: str) -> list[str]:

@@ -23,8 +23,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 #: The oldest agent whose commands this manager's match (a rolling upgrade moves agents first, then managers).
 MIN_AGENT_VERSION = "0.1.0"
-#: What a manager that does not lead answers an agent (the agent's side: ``gpumgr.agent.managers.NOT_LEADER``).
+#: What a manager that does not lead answers an agent: another leads, or none does (the agent's side:
+#: ``gpumgr.agent.managers``).
 NOT_LEADER = "not_leader"
+NO_LEADER = "no_leader"
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
@@ -94,13 +96,14 @@ class Inbound:
 
     def _not_leader(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Message) -> None:
         leader = self.manager.plane.leader()
-        text = f"this manager does not lead; the leader's API is {leader.get('api') or leader.get('name')}" \
-            if leader else "this manager does not lead, and no manager leads right now"
+        code, text = (NOT_LEADER, f"this manager does not lead; the leader's API is "
+                                  f"{leader.get('api') or leader.get('name')}") if leader else \
+            (NO_LEADER, "this manager does not lead, and no manager leads right now")
         if isinstance(message, protocol.Join | protocol.Reserve):
-            error = protocol.ErrorBody(code=NOT_LEADER, message=text)
+            error = protocol.ErrorBody(code=code, message=text)
             self.link.send(peer.routing_id, protocol.Reply(ok=False, error=error), reply_to=envelope.id)
         elif isinstance(message, protocol.Register | protocol.Heartbeat):
-            self.link.send(peer.routing_id, protocol.Refused(code=NOT_LEADER, message=text), reply_to=envelope.id)
+            self.link.send(peer.routing_id, protocol.Refused(code=code, message=text), reply_to=envelope.id)
 
     def _speaker(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Message) -> str | None:
         """The node ``peer``'s key is bound to, if the message speaks only for it; else None (dropped, logged)."""
