@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,7 @@ PASSED = ("Authorization", "Content-Type", "Accept", "If-None-Match", "User-Agen
 #: Answer headers that travel back.
 RETURNED = ("Content-Type", "ETag", "Retry-After", "Location", "WWW-Authenticate", "Cache-Control")
 POLL = 0.05
+_local = threading.local()
 
 
 def front(manager: Manager) -> Response | None:
@@ -79,9 +81,9 @@ def _forward(api: str) -> Response | None:
     headers[FORWARDED] = "1"
     headers["Accept-Encoding"] = "identity"
     try:
-        answer = requests.request(request.method, api.rstrip("/") + request.full_path.rstrip("?"),
-                                  data=request.get_data(), headers=headers, stream=True,
-                                  timeout=(1.0, defaults.CLI_TIMEOUT))
+        answer = _session().request(request.method, api.rstrip("/") + request.full_path.rstrip("?"),
+                                    data=request.get_data(), headers=headers, stream=True,
+                                    timeout=(1.0, defaults.CLI_TIMEOUT))
     except requests.ConnectionError as exc:
         if _never_sent(exc):
             log.info("the leader's API at %s is not reachable (%s); waiting for a leader", api, exc)
@@ -95,6 +97,14 @@ def _forward(api: str) -> Response | None:
         if name in answer.headers:
             response.headers[name] = answer.headers[name]
     return response
+
+
+def _session() -> requests.Session:
+    """This REST thread's own keep-alive session to the leader (a session is not shared between threads)."""
+    session: requests.Session | None = getattr(_local, "session", None)
+    if session is None:
+        session = _local.session = requests.Session()
+    return session
 
 
 def _body(answer: requests.Response) -> Iterator[bytes]:
