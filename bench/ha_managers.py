@@ -37,7 +37,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import machine, machine_line, save, summary, table, wait_for
+from bench.harness import interrupt, machine, machine_line, save, summary, table, wait_for
 from gpumgr.manager.etcdv3 import b64
 from tests.etcd import EtcdCluster
 from tests.ha_procs import HaManager, HaManagers
@@ -167,6 +167,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
+    signal.signal(signal.SIGTERM, interrupt)  # a stopped run still stops its etcd, managers and agents
     info = machine()
     with tempfile.TemporaryDirectory(prefix="gpumgr-bench-ha-") as name:
         tmp = Path(name)

@@ -183,7 +183,7 @@ class Link:
                 pending.future.set_exception(error)
         return len(failed)
 
-    def fail_all(self, error: Exception) -> int:
+    def fail_all(self, error: Exception) -> int:  # issue 21
         """Fail every request still waiting for a reply (a manager that stops leading answers none of them)."""
         with self._pending_lock:
             failed, self._pending = list(self._pending.values()), {}
