@@ -1,0 +1,215 @@
+"""The Python client (``gpumgr.client``) against a real manager, a real agent and engine, simulated GPUs.
+
+Every call of the client is made here, the API's errors included, and ``events()`` is followed across a
+restart of the manager.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+import gpumgr
+from gpumgr.client import Client, ManagerUnreachable, NeverFits, Unauthorized
+from gpumgr.client_types import Container, Event, Node
+from gpumgr.wire.errors import Conflict, GpumgrError, InvalidRequest, NoFit, NotFound, PolicyDenied
+from tests.procs import AgentProc, ManagerProc, free_port, wait_for
+
+GiB = 1 << 30
+NODE = "client23-a"
+USAGE = "/tmp/use"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, docker_client, test_image):
+    tmp = tmp_path_factory.mktemp("client")
+    manager = ManagerProc(tmp)
+    # the node's own policy (the operator's requests answer to it too) allows no host paths
+    agent = AgentProc(tmp, manager, NODE, gpus="sim:2x8GiB", env={"GPUMGR_POLICY": "{}"})
+    yield manager, agent, Client(manager.url)
+    agent.stop()
+    manager.stop()
+    from tests.procs import remove_containers_of
+
+    remove_containers_of(docker_client, NODE)
+
+
+def job(image: str, command: str, **extra) -> dict:
+    return {"image": image, "command": ["sh", "-c", command], **extra}
+
+
+def test_from_env_reads_several_urls_and_goes_on_to_the_next(cluster):
+    manager, _, _ = cluster
+    dead = f"http://127.0.0.1:{free_port()}"
+    client = Client.from_env({"GPUMGR_MANAGER": f"{dead}, {manager.url}/"})
+    assert client.api.url == dead
+    assert client.health()["status"] == "ok"
+    assert client.api.url == manager.url  # later calls start with the one that answered
+    assert [n.name for n in client.nodes.list()] == [NODE]
+    assert gpumgr.Client is Client
+    assert Client.from_env({}).api.url == "http://127.0.0.1:9400"
+    with pytest.raises(InvalidRequest, match="tcp:// is an agent's link endpoint"):
+        Client.from_env({"GPUMGR_MANAGER": "tcp://127.0.0.1:9401"})
+    with pytest.raises(ManagerUnreachable, match="cannot reach the gpumgr manager") as caught:
+        Client(f"{dead},http://127.0.0.1:{free_port()}").nodes.list()
+    assert caught.value.code == "unreachable" and dead in str(caught.value)
+
+
+def test_nodes_are_typed_records_of_the_map(cluster):
+    _, _, client = cluster
+    node = client.nodes.get(NODE)
+    assert isinstance(node, Node) and node.state == "ready" and node.runtime == "docker"
+    assert [g.memory_total for g in node.gpus] == [8 * GiB, 8 * GiB] and node.gpus[0].index == 0
+    assert node.raw["name"] == NODE
+    with pytest.raises(NotFound, match="no node named"):
+        client.nodes.get("client23-none")
+    with pytest.raises(Conflict) as caught:  # a node that is up cannot be forgotten
+        client.nodes.forget(NODE)
+    assert caught.value.status == 409
+
+
+def test_a_container_through_its_whole_life(cluster, test_image):
+    _, _, client = cluster
+    name = f"client23-{uuid.uuid4().hex[:8]}"
+    box = client.containers.run(test_image, ["sh", "-c", f"echo {GiB} > {USAGE}; echo out; echo err >&2; "
+                                                         "trap 'echo term; exit 3' TERM; sleep 300 & wait"],
+                                gpu_memory="2GiB", name=name, labels={"team": "ml"},
+                                env={"GPUMGR_SIM_USAGE_FILE": USAGE})
+    assert isinstance(box, Container) and box.state == "running" and box.node == NODE
+    assert box.gpu_memory == 2 * GiB and box.labels["team"] == "ml" and len(box.gpus) == 1
+    assert client.containers.get(name).id == box.id == client.containers.get(box.id[:10]).id
+    assert box.id in [c.id for c in client.containers.list(state="running", node=NODE)]
+    assert box.id not in [c.id for c in client.containers.list(state="exited")]
+    wait_for(lambda: box.reload().gpu_memory_used == GiB, 10, what="usage on the record")
+
+    grown = client.containers.resize(name, "3GiB")
+    assert grown.gpu_memory == 3 * GiB and client.nodes.get(NODE).gpus[grown.gpus[0].index].memory_reserved == 3 * GiB
+    with pytest.raises(GpumgrError) as caught:  # below what it uses, without force
+        box.resize(GiB // 2)
+    assert caught.value.status == 409 and caught.value.code == "below_usage"
+    assert box.resize("1GiB", force=True).gpu_memory == GiB
+
+    wait_for(lambda: b"out" in box.logs(), 10, what="its output")
+    assert box.logs(tail=1) in (b"err\n", b"out\n")
+    frames = []
+    for stream, data in client.containers.stream_logs(box.id, follow=False):
+        frames.append((stream, data))
+    assert (1, b"out\n") in frames and (2, b"err\n") in frames
+
+    assert client.containers.wait(box.id, timeout=0.2).ended is False
+    assert box.kill("SIGTERM") == "SIGTERM"
+    end = box.wait(timeout=30)
+    assert end.ended and end.state == "exited" and end.exit_code == 3
+    with pytest.raises(Conflict, match="not running"):
+        box.kill()
+    removed = client.containers.remove(name)
+    assert removed.state in ("removed", "exited") and removed.gpu_memory_held == 0
+    assert all(g.memory_reserved == 0 for g in client.nodes.get(NODE).gpus)
+
+
+def test_queued_requests_and_their_withdrawal(cluster, test_image):
+    _, _, client = cluster
+    big = client.containers.run(test_image, "sleep 300", gpu_memory="8GiB", gpus=2)
+    try:
+        with pytest.raises(NoFit) as caught:
+            client.containers.run(test_image, "sleep 300", gpu_memory="1GiB")
+        assert (caught.value.code, caught.value.status) == ("no_fit", 409)
+        waiting = client.containers.run(test_image, "sleep 300", gpu_memory="1GiB", queue=True)
+        assert waiting.state == "queued" and waiting.queue is not None and waiting.queue.position == 1
+        withdrawn = waiting.remove()
+        assert withdrawn.state != "queued" and withdrawn.queue is None
+    finally:
+        big.remove()
+
+
+def test_api_errors_are_exceptions_with_the_apis_code_and_status(cluster, test_image):
+    _, _, client = cluster
+    cases = [
+        (lambda: client.containers.run(test_image, gpu_memory="lots"), InvalidRequest, "invalid_request", 400),
+        (lambda: client.containers.run(test_image, gpu_memory="9GiB"), NeverFits, "never_fits", 409),
+        (lambda: client.containers.get("no-such-container"), NotFound, "not_found", 404),
+        (lambda: client.containers.remove("no-such-container"), NotFound, "not_found", 404),
+        (lambda: client.containers.resize("no-such-container", "1GiB"), NotFound, "not_found", 404),
+        (lambda: client.containers.wait("no-such-container", timeout=1), NotFound, "not_found", 404),
+        (lambda: client.containers.kill("no-such-container", "SIGNOPE;"), NotFound, "not_found", 404),
+        (lambda: client.containers.logs("no-such/../../v1/nodes"), NotFound, "not_found", 404),
+        (lambda: client.containers.list(state="sleepy"), InvalidRequest, "invalid_request", 400),
+        (lambda: client.containers.run(test_image, gpu_memory="1GiB", unknown_field=1), InvalidRequest,
+         "invalid_request", 400),
+        (lambda: list(client.events(since=-1, follow=False)), InvalidRequest, "invalid_request", 400),
+        (lambda: client.containers.run(test_image, "true", gpu_memory="1GiB", volumes=["/etc:/e:ro"]),
+         PolicyDenied, "policy_denied", 403),
+    ]
+    for call, cls, code, status in cases:
+        with pytest.raises(cls) as caught:
+            call()
+        assert (caught.value.code, caught.value.status) == (code, status), caught.value
+        assert caught.value.message
+    assert isinstance(caught.value, PolicyDenied) and caught.value.rule == "bind_paths"
+    assert all(g.memory_reserved == 0 for g in client.nodes.get(NODE).gpus)
+
+
+def test_a_token_is_sent_and_a_missing_one_is_unauthorized(tmp_path):
+    manager = ManagerProc(tmp_path, "--token", "s3cret", env={"GPUMGR_TOKEN": ""})
+    try:
+        with pytest.raises(Unauthorized) as caught:
+            Client(manager.url).nodes.list()
+        assert caught.value.status == 401 and caught.value.code == "unauthorized"
+        assert Client.from_env({"GPUMGR_MANAGER": manager.url, "GPUMGR_TOKEN": "s3cret"}).nodes.list() == []
+    finally:
+        manager.stop()
+
+
+def test_events_follow_across_a_manager_restart(tmp_path, docker_client, test_image):
+    node = "client23-ev"
+    manager = ManagerProc(tmp_path)
+    agent = AgentProc(tmp_path, manager, node, gpus="sim:1x8GiB")
+    client = Client(manager.url)
+    seen: list[Event] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def follow() -> None:
+        try:
+            for event in client.events(since=0, poll=0.1, reconnect_timeout=60):
+                seen.append(event)
+                if stop.is_set():
+                    return
+        except BaseException as exc:  # handed to the test's thread
+            errors.append(exc)
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    try:
+        first = client.containers.run(test_image, "sleep 300", gpu_memory="1GiB")
+        wait_for(lambda: any(e.container == first.id and e.type == "started" for e in seen), 10,
+                 what="the first container's events")
+        manager.stop()
+        time.sleep(0.5)  # the follower finds the manager gone at least once
+        manager = ManagerProc(tmp_path, api_port=manager.api_port, agent_port=manager.agent_port)
+        agent.wait_ready(30)
+        second = client.containers.run(test_image, "sleep 300", gpu_memory="1GiB")
+        wait_for(lambda: any(e.container == second.id and e.type == "started" for e in seen), 15,
+                 what="the second container's events, after the restart")
+        stop.set()
+        client.containers.remove(second.id)
+        reader.join(10)
+        assert not errors, errors
+        ids = [e.id for e in seen]
+        assert ids == sorted(set(ids)), "an event was given twice or out of order"
+        assert {e.type for e in seen if e.container == first.id} >= {"placed", "started"}
+        assert min(e.id for e in seen if e.container == second.id) > max(e.id for e in seen
+                                                                           if e.container == first.id)
+        newest = max(ids)
+        assert [e.id for e in client.events(since=newest - 1, follow=False)] == [newest]
+        assert list(client.events(follow=False)) == []  # since None: only what comes from now on
+    finally:
+        stop.set()
+        agent.stop()
+        manager.stop()
+        from tests.procs import remove_containers_of
+
+        remove_containers_of(docker_client, node)
