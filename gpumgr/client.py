@@ -105,12 +105,18 @@ def api_error(status: int, body: bytes) -> GpumgrError:
     return error
 
 
+#: What a kept-alive connection the server has closed raises on its next use.
+STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+
+
 class _Broken(Exception):
     """A connection failed; ``sent``: after the request went out (its outcome is unknown)."""
 
-    def __init__(self, reason: BaseException, *, sent: bool) -> None:
+    def __init__(self, reason: BaseException, *, sent: bool, stale: bool = False) -> None:
         super().__init__(str(reason) or type(reason).__name__)
         self.sent = sent
+        #: the server had closed the kept-alive connection: nothing was read, so sending again is safe
+        self.stale = stale
 
 
 class _Target:
@@ -171,7 +177,7 @@ class API:
                 status, payload = self._exchange(target, method, self._path(target, path, params), data, headers,
                                                  timeout or self.timeout)
             except _Broken as exc:
-                failures.append(f"{target.url}: {exc}")
+                failures.append(f"{target.url} ({exc})")
                 if exc.sent and method not in IDEMPOTENT:
                     raise ManagerUnreachable(f"the connection to {target.url} broke during {method} {path} "
                                              f"({exc}); whether it was carried out is unknown") from None
@@ -180,7 +186,7 @@ class API:
             if status >= 400:
                 raise api_error(status, payload)
             return json.loads(payload) if payload else {}
-        raise ManagerUnreachable("cannot reach the gpumgr manager: " + "; ".join(failures))
+        raise ManagerUnreachable("cannot reach the gpumgr manager at " + ", ".join(failures))
 
     def stream(self, path: str, params: Mapping[str, str], accept: str) -> Stream:
         """A streamed GET on a connection of its own, with no read timeout (a quiet container may say nothing
@@ -191,7 +197,7 @@ class API:
             try:
                 conn = target.connect(self.timeout)
             except _Broken as exc:
-                failures.append(f"{target.url}: {exc}")
+                failures.append(f"{target.url} ({exc})")
                 continue
             self.current = index
             try:
@@ -207,7 +213,7 @@ class API:
             if conn.sock is not None:
                 conn.sock.settimeout(None)
             return Stream(conn, response)
-        raise ManagerUnreachable("cannot reach the gpumgr manager: " + "; ".join(failures))
+        raise ManagerUnreachable("cannot reach the gpumgr manager at " + ", ".join(failures))
 
     def close(self) -> None:
         """Close this thread's kept-alive connection."""
@@ -231,7 +237,25 @@ class API:
     def _exchange(self, target: _Target, method: str, path: str, data: bytes | None, headers: dict[str, str],
                   timeout: float) -> tuple[int, bytes]:
         """Send on this thread's kept-alive connection to ``target``; once more on a fresh one if a reused
-        connection turns out closed (the server ends idle ones), which is the only retry that is always safe."""
+        connection turns out closed (the server ends idle ones), which is the only retry that is always safe.
+
+        A call made while another is under way on this thread (from a signal handler: ``docker gpu run``
+        passes Ctrl-C on while it waits) gets a connection of its own, closed after.
+        """
+        if getattr(self._local, "busy", False):
+            conn = target.connect(timeout)
+            try:
+                return self._send(conn, method, path, data, headers, timeout)
+            finally:
+                conn.close()
+        self._local.busy = True
+        try:
+            return self._kept(target, method, path, data, headers, timeout)
+        finally:
+            self._local.busy = False
+
+    def _kept(self, target: _Target, method: str, path: str, data: bytes | None, headers: dict[str, str],
+              timeout: float) -> tuple[int, bytes]:
         kept = getattr(self._local, "conn", None)
         if kept is not None and kept[0] is not target:
             kept[1].close()
@@ -240,26 +264,33 @@ class API:
             conn = kept[1] if reused and kept is not None else target.connect(timeout)
             self._local.conn = (target, conn)
             try:
-                if conn.sock is not None:
-                    conn.sock.settimeout(timeout)
-                conn.request(method, path, body=data, headers=headers)
-                response = conn.getresponse()
-                payload = response.read()
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
-                conn.close()
+                return self._send(conn, method, path, data, headers, timeout)
+            except _Broken as exc:
                 self._local.conn = None
-                if reused:
-                    continue
-                raise _Broken(exc, sent=True) from None
-            except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                self._local.conn = None
-                raise _Broken(exc, sent=True) from None
-            if response.will_close:
-                conn.close()
-                self._local.conn = None
-            return response.status, payload
+                if not (reused and exc.stale):
+                    raise
+            finally:
+                if self._local.conn is None or self._local.conn[1].sock is None:
+                    conn.close()
+                    self._local.conn = None
         raise AssertionError("unreachable")  # pragma: no cover - the loop always returns or raises
+
+    @staticmethod
+    def _send(conn: http.client.HTTPConnection, method: str, path: str, data: bytes | None,
+              headers: dict[str, str], timeout: float) -> tuple[int, bytes]:
+        """One request and its whole answer on ``conn`` (closed when the server ends it, or on failure)."""
+        try:
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout)
+            conn.request(method, path, body=data, headers=headers)
+            response = conn.getresponse()
+            payload = response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise _Broken(exc, sent=True, stale=isinstance(exc, STALE)) from None
+        if response.will_close:
+            conn.close()
+        return response.status, payload
 
 
 class Stream:
