@@ -15,7 +15,7 @@ import pytest
 import gpumgr
 from gpumgr.client import Client, ManagerUnreachable, NeverFits, Unauthorized
 from gpumgr.client_types import Container, Event, Node
-from gpumgr.wire.errors import Conflict, GpumgrError, InvalidRequest, NoFit, NotFound, PolicyDenied
+from gpumgr.wire.errors import Conflict, GpumgrError, InvalidRequest, NoAgents, NoFit, NotFound, PolicyDenied
 from tests.procs import AgentProc, ManagerProc, free_port, wait_for
 
 GiB = 1 << 30
@@ -56,6 +56,21 @@ def test_from_env_reads_several_urls_and_goes_on_to_the_next(cluster):
     with pytest.raises(ManagerUnreachable, match="cannot reach the gpumgr manager") as caught:
         Client(f"{dead},http://127.0.0.1:{free_port()}").nodes.list()
     assert caught.value.code == "unreachable" and dead in str(caught.value)
+
+
+def test_a_manager_that_goes_away_mid_session_fails_over_to_the_next(tmp_path):
+    first, second = ManagerProc(tmp_path), ManagerProc(tmp_path)
+    try:
+        client = Client([first.url, second.url])
+        assert client.nodes.list() == [] and client.api.url == first.url  # a kept-alive connection to the first
+        first.stop()
+        assert client.nodes.list() == [] and client.api.url == second.url
+        with pytest.raises(NoAgents) as caught:  # a create goes on too: nothing was sent to the first
+            client.containers.run("busybox", "true", gpu_memory="1GiB")
+        assert (caught.value.code, caught.value.status) == ("no_agents", 503)
+    finally:
+        first.stop()
+        second.stop()
 
 
 def test_nodes_are_typed_records_of_the_map(cluster):

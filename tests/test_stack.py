@@ -16,7 +16,7 @@ import pytest
 from gpumgr.plugin import stack
 from gpumgr.plugin.docker_gpu import PluginError
 from tests.images import busybox_tar
-from tests.procs import AgentProc, ManagerProc, wait_for
+from tests.procs import ROOT, AgentProc, ManagerProc, wait_for
 from tests.swarm import SwarmEngine
 
 GiB = 1 << 30
@@ -128,6 +128,19 @@ def test_x_keys_in_formats_that_allow_them_pass():
                  'version: "3.4"\nx-gpumgr: {}\nservices: {a: {image: x}}\n',
                  "x-gpumgr: {}\nservices: {a: {x-gpumgr: {}}}\n"):
         stack.check_format("stack.yml", stack._load_text(text))
+
+
+def test_the_example_stack_says_what_each_service_gets():
+    path = str(ROOT / "examples" / "swarm" / "inference.yml")
+    raw = stack._load(path)
+    stack.check_format(path, raw)
+    defaults, blocks = stack.read_blocks([path], [raw], use_cli=False)
+    assert set(blocks) == {"train", "infer"}
+    assert stack.grant_request("train", defaults, blocks["train"]) == [
+        "--gpu-memory", "20GiB", "--on-overrun", "kill", "--gpus", "2", "--priority", "5",
+        "--constraint", "node.labels.zone==a"]
+    assert stack.grant_request("infer", defaults, blocks["infer"]) == [
+        "--gpu-memory", "6GiB", "--on-overrun", "kill", "--preemptible", "--queue"]
 
 
 # --- on a real swarm -------------------------------------------------------------------------
