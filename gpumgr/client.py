@@ -22,7 +22,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import (
@@ -293,7 +293,20 @@ class API:
         return response.status, payload
 
 
-class Stream:
+class _Closing:
+    """``with`` closes it."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Stream(_Closing):
     """A streamed answer: ``read(n)``, then closed with its connection (``with`` does it)."""
 
     def __init__(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
@@ -304,17 +317,12 @@ class Stream:
         return self.response.read(size)
 
     def close(self) -> None:
+        """Close the answer and its connection."""
         self.response.close()
         self._conn.close()
 
-    def __enter__(self) -> Stream:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class Client:
+class Client(_Closing):
     """The manager's API as objects: ``containers``, ``nodes``, ``events()``.
 
     ``base_url`` is one URL or several (a list, or one comma-separated string): a call that cannot connect
@@ -380,12 +388,6 @@ class Client:
     def close(self) -> None:
         """Close the kept-alive connection of this thread."""
         self.api.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class ContainerCollection:

@@ -78,6 +78,10 @@ class Container:
     labels: dict[str, str]
     on_overrun: str
     queue: QueuePlace | None
+    queued_at: float | None
+    confirm_by: float | None
+    preempted_for: str | None
+    operation: str | None
     detail: dict[str, Any]
     raw: dict[str, Any] = field(repr=False, compare=False)
     _collection: ContainerCollection | None = field(default=None, repr=False, compare=False)
@@ -94,7 +98,9 @@ class Container:
             exit_code=data.get("exit_code"), reason=data.get("reason"), created_at=data["created_at"],
             finished_at=data.get("finished_at"), image=data.get("image"), command=list(data.get("command") or []),
             labels=dict(data.get("labels") or {}), on_overrun=data["on_overrun"],
-            queue=QueuePlace.from_json(queue) if queue else None, detail=dict(data.get("detail") or {}),
+            queue=QueuePlace.from_json(queue) if queue else None, queued_at=data.get("queued_at"),
+            confirm_by=data.get("confirm_by"), preempted_for=data.get("preempted_for"),
+            operation=data.get("operation"), detail=dict(data.get("detail") or {}),
             raw=data, _collection=collection)
 
     def _through(self) -> ContainerCollection:

@@ -228,3 +228,18 @@ def test_events_follow_across_a_manager_restart(tmp_path, docker_client, test_im
         from tests.procs import remove_containers_of
 
         remove_containers_of(docker_client, node)
+
+
+@pytest.mark.parametrize(("record", "shape"), [
+    ("Container", "ContainerRecord"), ("GpuRef", "GpuRef"), ("QueuePlace", "QueuePlace"), ("Gpu", "GpuView"),
+    ("Node", "NodeView"), ("Event", "Event"), ("WaitResult", "WaitResult"),
+])
+def test_each_typed_record_has_every_field_of_its_response_shape(record, shape):
+    """The records mirror the API's documented answers (``manager/openapi.py``), so they cannot drift apart unseen."""
+    import dataclasses
+
+    from gpumgr import client_types
+    from gpumgr.manager import openapi
+
+    fields = {f.name for f in dataclasses.fields(getattr(client_types, record))} - {"raw", "_collection"}
+    assert fields == set(getattr(openapi, shape).model_fields)
