@@ -7,7 +7,9 @@ commit, copied out with ``git archive``), and the two are run in turns, ``--runs
   help  ``docker-gpu gpu --help``: the interpreter and the imports of the command, no call
   ps    ``docker-gpu gpu --manager URL ps``: one REST call to a live ``gpumgr manager`` (no agents)
 
-Each figure is one process, timed from its start to its exit.
+Each figure is one process, timed from its start to its exit; and, less noisy on a shared machine,
+
+  import  what ``python -X importtime`` reports for importing ``gpumgr.plugin.docker_gpu`` (cumulative)
 
     python bench/plugin_startup.py [--base main] [--runs 40] [--json out.json]
 """
@@ -47,6 +49,14 @@ def base_launcher(ref: str, folder: Path) -> str:
     return launcher_code(CLI_MODULE, CLI_IMPORTS).replace(str(ROOT), str(folder))
 
 
+def import_time(code: str) -> float:
+    """Seconds ``-X importtime`` gives the import of the plugin's module, everything it imports included."""
+    done = subprocess.run([sys.executable, "-I", "-S", "-X", "importtime", "-c", code, "gpu", "--help"], check=True,
+                          capture_output=True, text=True)
+    line = next(x for x in done.stderr.splitlines() if x.rstrip().endswith(f"| {CLI_MODULE}"))
+    return int(line.split("|")[1]) / 1e6
+
+
 def timed(code: str, args: list[str]) -> float:
     started = time.perf_counter()
     subprocess.run([sys.executable, "-I", "-S", "-c", code, "gpu", *args], check=True, stdout=subprocess.DEVNULL)
@@ -67,16 +77,17 @@ def main() -> None:
         try:
             wait_for(lambda: manager.check() and answers(f"http://127.0.0.1:{port}"), 30, what="the manager")
             commands = {"help": ["--help"], "ps": ["--manager", f"http://127.0.0.1:{port}", "ps"]}
-            times: dict[tuple[str, str], list[float]] = {(c, t): [] for c in commands for t in codes}
+            times: dict[tuple[str, str], list[float]] = {(c, t): [] for c in (*commands, "import") for t in codes}
             for _ in range(args.runs):
-                for command, argv in commands.items():
-                    for tree, code in codes.items():
+                for tree, code in codes.items():
+                    for command, argv in commands.items():
                         times[command, tree].append(timed(code, argv))
+                    times["import", tree].append(import_time(code))
         finally:
             manager.stop()
     rows = [(f"{c} {t}", *(summary(v, 1000)[k] for k in ("median", "p90"))) for (c, t), v in times.items()]
     table([("command tree", "14"), ("median ms", "10.1f"), ("p90 ms", "8.1f")], rows)
-    for command in commands:
+    for command in (*commands, "import"):
         ratio = median(times[command, "this"]) / median(times[command, "base"])
         print(f"{command}: this / {args.base} = {ratio:.3f}")
     info = machine()

@@ -100,6 +100,16 @@ def test_x_keys_are_stripped_where_compose_allows_them_and_nothing_else():
     assert stack.strip(stack._load_text("version: 3.7\nservices: {}\n"))["version"] == "3.7"
 
 
+def test_compose_files_are_taken_out_and_every_other_argument_passes_through():
+    paths, rest = stack._compose_files(["-c", "a.yml", "--compose-file=b.yml", "--resolve-image", "never", "-c=c.yml",
+                                        "--prune", "app"])
+    assert paths == ["a.yml", "b.yml", "c.yml"] and rest == ["--resolve-image", "never", "--prune", "app"]
+    for argv, words in ((["app"], "needs the stack's file"), (["app", "-c"], "-c needs a file"),
+                        (["-c", "-", "-c", "-", "app"], "only one -c -")):
+        with pytest.raises(PluginError, match=words):
+            stack._compose_files(argv)
+
+
 def test_interpolation_follows_compose():
     env = {"SET": "v", "EMPTY": ""}
     cases = {"$SET ${SET}": "v v", "$$SET": "$SET", "${UNSET:-d}": "d", "${EMPTY:-d}": "d", "${EMPTY-d}": "",
