@@ -359,10 +359,12 @@ class Client(_Closing):
         from gpumgr.client_types import Event
 
         params = {"type": ",".join(types)} if types else {}
-        last = since if since is not None else self._newest_event(params)
+        last = since
         down_since: float | None = None
         while True:
             try:
+                if last is None:
+                    last = self._newest_event(params)
                 batch = self.api.call("GET", "/v1/events", params={**params, "since": str(last)})["events"]
             except ManagerUnreachable:
                 if not follow:

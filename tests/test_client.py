@@ -243,3 +243,27 @@ def test_each_typed_record_has_every_field_of_its_response_shape(record, shape):
 
     fields = {f.name for f in dataclasses.fields(getattr(client_types, record))} - {"raw", "_collection"}
     assert fields == set(getattr(openapi, shape).model_fields)
+
+
+def test_the_readmes_example_runs(tmp_path, monkeypatch, docker_client, test_image, capsys):
+    """The README's client example, run as written but for its image and command and a bounded events loop."""
+    import re
+
+    from tests.procs import ROOT, remove_containers_of
+
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"### From Python: `gpumgr.client`.*?```python\n(.*?)```", text, re.S)[1]
+    block = block.replace('"pytorch:2", "python train.py"', f'"{test_image}", "sh -c \'echo hi; exit 3\'"')
+    block = block.replace('types=["killed"])', 'types=["placed"], follow=False)')
+    manager = ManagerProc(tmp_path)
+    agent = AgentProc(tmp_path, manager, "client23-readme", gpus="sim:2x24GiB")
+    monkeypatch.setenv("GPUMGR_MANAGER", manager.url)
+    try:
+        exec(compile(block, "README.md", "exec"), {})
+    finally:
+        agent.stop()
+        manager.stop()
+        remove_containers_of(docker_client, "client23-readme")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("client23-readme [0, 1]") and out[1] == "3 b'hi\\n'", out
+    assert out[2].startswith("client23-readme ready") and "8GiB" in out[3], out
