@@ -18,6 +18,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import select
 import threading
 import time
 import urllib.parse
@@ -236,8 +237,8 @@ class API:
 
     def _exchange(self, target: _Target, method: str, path: str, data: bytes | None, headers: dict[str, str],
                   timeout: float) -> tuple[int, bytes]:
-        """Send on this thread's kept-alive connection to ``target``; once more on a fresh one if a reused
-        connection turns out closed (the server ends idle ones), which is the only retry that is always safe.
+        """Send on this thread's kept-alive connection to ``target`` (a fresh one when the server has closed it
+        while idle); a GET that finds it closed only once sent is sent again on a fresh one, a create is not.
 
         A call made while another is under way on this thread (from a signal handler: ``docker gpu run``
         passes Ctrl-C on while it waits) gets a connection of its own, closed after.
@@ -257,17 +258,18 @@ class API:
     def _kept(self, target: _Target, method: str, path: str, data: bytes | None, headers: dict[str, str],
               timeout: float) -> tuple[int, bytes]:
         kept = getattr(self._local, "conn", None)
-        if kept is not None and kept[0] is not target:
+        if kept is not None and (kept[0] is not target or _dropped(kept[1])):
             kept[1].close()
             kept = None
-        for reused in ((True, False) if kept is not None else (False,)):
+        retry = method in IDEMPOTENT  # a create sent on a connection that broke may have been carried out
+        for reused in ((True, False) if kept is not None and retry else (kept is not None,)):
             conn = kept[1] if reused and kept is not None else target.connect(timeout)
             self._local.conn = (target, conn)
             try:
                 return self._send(conn, method, path, data, headers, timeout)
             except _Broken as exc:
                 self._local.conn = None
-                if not (reused and exc.stale):
+                if not (reused and exc.stale and retry):
                     raise
             finally:
                 if self._local.conn is None or self._local.conn[1].sock is None:
@@ -304,6 +306,14 @@ class _Closing:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _dropped(conn: http.client.HTTPConnection) -> bool:
+    """Whether a kept-alive connection was closed by the server while idle (readable with nothing asked: EOF)."""
+    if conn.sock is None:
+        return True
+    readable, _, _ = select.select([conn.sock], [], [], 0)
+    return bool(readable)
 
 
 class Stream(_Closing):

@@ -73,6 +73,21 @@ def test_a_manager_that_goes_away_mid_session_fails_over_to_the_next(tmp_path):
         second.stop()
 
 
+def test_a_kept_connection_the_manager_closed_is_not_used_for_a_create(tmp_path):
+    """A create is never sent again once sent, so the client must see beforehand that a manager that restarted
+    (or closed an idle connection) closed the connection it keeps, and open a fresh one."""
+    manager = ManagerProc(tmp_path)
+    try:
+        client = Client(manager.url)
+        assert client.nodes.list() == []  # the connection is kept
+        manager.stop()
+        manager = ManagerProc(tmp_path, api_port=manager.api_port, agent_port=manager.agent_port)
+        with pytest.raises(NoAgents):  # the manager's answer, not ManagerUnreachable's "outcome unknown"
+            client.containers.run("busybox", "true", gpu_memory="1GiB")
+    finally:
+        manager.stop()
+
+
 def test_nodes_are_typed_records_of_the_map(cluster):
     _, _, client = cluster
     node = client.nodes.get(NODE)
