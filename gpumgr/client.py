@@ -186,7 +186,11 @@ class API:
             self.current = index
             if status >= 400:
                 raise api_error(status, payload)
-            return json.loads(payload) if payload else {}
+            try:
+                return json.loads(payload) if payload else {}
+            except ValueError:
+                raise GpumgrError(f"{target.url} answered {method} {path} with {status} and a body that is not "
+                                  "JSON: is it a gpumgr manager?", code="bad_answer") from None
         raise ManagerUnreachable("cannot reach the gpumgr manager at " + ", ".join(failures))
 
     def stream(self, path: str, params: Mapping[str, str], accept: str) -> Stream:

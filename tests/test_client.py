@@ -282,3 +282,37 @@ def test_the_readmes_example_runs(tmp_path, monkeypatch, docker_client, test_ima
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("client23-readme [0, 1]") and out[1] == "3 b'hi\\n'", out
     assert out[2].startswith("client23-readme ready") and "8GiB" in out[3], out
+
+
+def test_answers_that_are_not_the_apis_are_errors_not_crashes():
+    """A URL that is some other web server: a 200 that is not JSON, and an error page instead of the error shape."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status = 404 if "containers" in self.path else 200
+            body = b"<html>not here</html>"
+            self.send_response(status)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        client = Client(f"http://127.0.0.1:{server.server_address[1]}")
+        with pytest.raises(GpumgrError, match="not JSON: is it a gpumgr manager") as caught:
+            client.nodes.list()
+        assert caught.value.code == "bad_answer"
+        with pytest.raises(NotFound) as missing:
+            client.containers.get("x")
+        assert (missing.value.code, missing.value.status, missing.value.message) == ("http_404", 404,
+                                                                                     "<html>not here</html>")
+    finally:
+        server.shutdown()
+        server.server_close()
