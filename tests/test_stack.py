@@ -77,6 +77,18 @@ def test_blocks_merge_and_interpolate_the_same_with_or_without_docker_stack_conf
     assert stack.read_blocks(paths, raws, use_cli=use_cli)[1]["train"]["gpu_memory"] == "5GiB"
 
 
+@pytest.mark.parametrize("use_cli", [False, True], ids=["own-merge", "docker-stack-config"])
+def test_a_file_on_standard_input_is_read_once_for_both_readings(monkeypatch, use_cli):
+    if use_cli and not (shutil.which("docker") and stack.has_stack_config()):
+        pytest.skip("the Docker CLI on PATH has no 'docker stack config' (it came in 23)")
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(textwrap.dedent(BASE)))
+    monkeypatch.setattr(stack, "_STDIN", [])
+    raws = [stack._load("-")]
+    assert stack.read_blocks(["-"], raws, use_cli=use_cli)[1]["train"]["gpu_memory"] == "3GiB"
+
+
 def test_a_block_becomes_service_create_options_over_the_defaults():
     defaults = {"gpu_memory": "1GiB", "gpus": 2, "on_overrun": "report", "queue": True}
     argv = stack.grant_request("t", defaults, {"gpu_memory": "3GiB", "priority": 2, "preemptible": True,
