@@ -39,7 +39,7 @@ def test_three_etcd_members_one_per_manager_node_with_compaction(stack) -> None:
         assert env["ETCD_NAME"] == f"etcd{i}" and env["ETCD_INITIAL_CLUSTER"].count("=http://") == 3
         assert env["ETCD_ADVERTISE_CLIENT_URLS"] == f"http://10.0.0.{i}:2379"
         assert env["ETCD_AUTO_COMPACTION_RETENTION"] == "1" and env["ETCD_MAX_TXN_OPS"] == "128"
-        assert member["deploy"]["placement"]["constraints"] == ["node.role == manager", f"node.labels.gpumgr.ha == {i}"]
+        assert member["deploy"]["placement"]["constraints"] == ["node.role == manager", f"node.labels.gpumgr.ha{i} == true"]
         assert list(member["networks"]) == ["hostnet"] and member["volumes"][0]["target"] == "/var/lib/etcd"
         assert member["entrypoint"] == ["etcd"] and member["image"] == stack["services"]["manager1"]["image"]
     assert stack["networks"]["hostnet"]["name"] == "host"
@@ -51,12 +51,13 @@ def test_three_managers_share_the_store_and_the_key_and_advertise_their_own_api(
         env = manager["environment"]
         store = parse_store_url(env["GPUMGR_STORE"])
         assert store.endpoints == [f"http://10.0.0.{n}:2379" for n in (1, 2, 3)] and store.prefix == "/gpumgr/"
-        assert manager["command"] == ["manager", "--advertise-api", f"http://10.0.0.{i}:9400"]
-        assert env["GPUMGR_TOKEN"] == "t0ken" and env["GPUMGR_AGENTS"] == "tcp://0.0.0.0:9401"
+        assert manager["command"] == ["manager", "--api", f"10.0.0.{i}:9400", "--agents", f"tcp://10.0.0.{i}:9401",
+                                      "--advertise-api", f"http://10.0.0.{i}:9400"]
+        assert env["GPUMGR_TOKEN"] == "t0ken"
         assert manager["secrets"] == [{"source": "gpumgr-manager-key", "target": "/var/lib/gpumgr/manager_key.json",
                                        "mode": 0o400}]
         assert manager["deploy"]["replicas"] == 1
-        assert f"node.labels.gpumgr.ha == {i}" in manager["deploy"]["placement"]["constraints"]
+        assert f"node.labels.gpumgr.ha{i} == true" in manager["deploy"]["placement"]["constraints"]
 
 
 def test_agents_are_global_and_given_every_manager(stack) -> None:
