@@ -16,12 +16,24 @@ from typing import Any
 
 from gpumgr.manager.lifecycle import Lifecycle
 from gpumgr.manager.records import Container, PlacementSpec
-from gpumgr.manager.scheduler import Placement, Request, place
+from gpumgr.manager.scheduler import GpuSlot, Placement, Request, link_of, place
+from gpumgr.wire.constraints import NO_CONSTRAINTS, compiled
 from gpumgr.wire.errors import GpumgrError, NoAgents, NoFit
 from gpumgr.wire.names import EventType, State
 from gpumgr.wire.units import format_bytes
 
 log = logging.getLogger(__name__)
+
+
+def request_for(spec: PlacementSpec, memory: int) -> Request:
+    """What the scheduler is asked for ``spec`` at ``memory`` bytes per GPU."""
+    constraints = compiled(tuple(spec.constraints)) if spec.constraints else NO_CONSTRAINTS
+    return Request(memory, spec.count, spec.node, Placement(spec.placement), constraints)
+
+
+def take_slots(record: Container, slots: list[GpuSlot]) -> None:
+    """Assign the GPUs the scheduler chose to ``record``, with the link that joins them (shown in its record)."""
+    record.node, record.gpus, record.topology = slots[0].node, [s.uuid for s in slots], link_of(slots)
 
 
 class Dispatch:
@@ -41,21 +53,21 @@ class Dispatch:
         while position < len(queue):
             record = records[queue.at(position)]
             spec = record.spec
+            request = request_for(spec, record.gpu_memory)
             if (not self.life.quotas.within_live(record)
                     or (spec.node is not None and spec.node not in self.ledger.index.by_node)
-                    or self.ledger.capacity(spec.count, spec.node) < record.gpu_memory):
+                    or self.ledger.capacity(spec.count, spec.node, request.constraints) < record.gpu_memory):
                 position += 1
                 continue
             try:
-                slots = place(self.ledger.index, Request(record.gpu_memory, spec.count, spec.node,
-                                                         Placement(spec.placement)))
+                slots = place(self.ledger.index, request)
             except NoFit:
                 if record.id != own or own_waits:  # only a request that waits is worth stopping anything for
                     self._plan_preemption(record)
                 return placed
             except (NoAgents, GpumgrError):
                 return placed
-            record.node, record.gpus = slots[0].node, [s.uuid for s in slots]
+            take_slots(record, slots)
             self.life.move(record, State.CREATING)
             self.making_room.pop(record.id, None)
             waited = self.life.clock.monotonic() - (record.queued_mono or 0.0)
@@ -85,10 +97,12 @@ class Dispatch:
         memory = spec.memory if memory is None else memory
         if not self.ledger.nodes or (spec.node is not None and spec.node not in self.ledger.nodes):
             return  # nothing known yet: a node may join
-        best = self.ledger.capacity(spec.count, spec.node)
+        constraints = compiled(tuple(spec.constraints))
+        best = self.ledger.capacity(spec.count, spec.node, constraints)
         if best < memory:
             where = f"node {spec.node}" if spec.node else "any node"
-            raise NoFit(f"no GPU could ever hold this: {format_bytes(memory)} on {spec.count} GPU(s) of one "
+            allowed = f" that {', '.join(constraints.texts)} allow" if constraints else ""
+            raise NoFit(f"no GPU could ever hold this: {format_bytes(memory)} on {spec.count} GPU(s){allowed} of one "
                         f"node, and the largest {where} has is {format_bytes(best)} each; nothing was queued",
                         code="never_fits")
 

@@ -116,3 +116,5 @@ class EventType(StrEnum):
     EXPIRED = "expired"
     PREEMPTED = "preempted"
     RESIZED = "resized"
+    GPU_UNHEALTHY = "gpu_unhealthy"
+    GPU_HEALTHY = "gpu_healthy"
