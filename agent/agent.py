@@ -50,8 +50,10 @@ class Agent:
     def __init__(self, node: str, endpoint: str, source: GpuSource, runtime: Runtime, identity: Identity, *,
                  heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL,
                  enforcement: EnforcerSettings | None = DEFAULT_ENFORCEMENT, hook_socket: str | None = None,
-                 join_timeout: float = defaults.JOIN_TIMEOUT) -> None:
+                 join_timeout: float = defaults.JOIN_TIMEOUT, labels: dict[str, str] | None = None) -> None:
         self.node = node
+        #: the node's labels from its operator, sent with each registration
+        self.labels = dict(labels or {})
         self.endpoint = endpoint
         #: this process's id in registrations: the manager tells a restart (new id) from a reconnect
         self.instance = os.urandom(8).hex()
@@ -229,13 +231,15 @@ class Agent:
 
     def _register_message(self) -> protocol.Register:
         """Who we are, our GPUs and every managed container; compact reports if whole ones are over the bound."""
-        gpus = [protocol.GpuInfo(uuid=d.uuid, index=d.index, name=d.name, memory_total=d.memory_total)
-                for d in self.devices]
+        health = self.source.health()
+        gpus = [protocol.GpuInfo(uuid=d.uuid, index=d.index, name=d.name, memory_total=d.memory_total,
+                                 compute_capability=d.compute_capability, links=dict(d.links),
+                                 health=health.get(d.uuid, "")) for d in self.devices]
         managed = _newest_ends(self.runtime.managed(), defaults.FINISHED_KEPT)
         refused = list(self.runtime.refused)
         message = protocol.Register(node=self.node, runtime=self.runtime.kind, gpus=gpus,
                                     containers=[m.report() for m in managed], refused=refused,
-                                    instance=self.instance)
+                                    instance=self.instance, labels=self.labels)
         try:
             protocol.encode(message)
         except ProtocolError:  # long commands or labels: the grants matter, those do not

@@ -31,9 +31,9 @@ set, so a request is not given a set across sockets while the next node has an i
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from collections.abc import Iterable
 from typing import Any
 
 from sortedcontainers import SortedList

@@ -16,9 +16,11 @@ import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from gpumgr.wire import defaults
+from gpumgr.wire.constraints import NO_CONSTRAINTS, NODE_NAME, Constraints, parse_all
 from gpumgr.wire.names import LIVE, Env, Label
 from gpumgr.wire.units import format_bytes, parse_bytes
 
@@ -96,12 +98,12 @@ CONTAINER_COMMANDS = {"run": "run_container", "logs": "logs", "wait": "wait", "k
 USAGE = """Usage: docker gpu [--manager URL] COMMAND
 
 Commands:
-  service create --gpu-memory SIZE [--gpus N] [--on-overrun kill|stop|report]
+  service create --gpu-memory SIZE [--gpus N] [--on-overrun kill|stop|report] [--constraint C ...]
                  [--priority N] [--preemptible] [--queue]
                  [docker service create options] IMAGE [CMD]
   service ps SERVICE      each replica: node, GPU, grant, usage, or why it waits
   service rm SERVICE...   (any other 'service' command is passed to 'docker service' unchanged)
-  run --gpu-memory SIZE [--gpus N] [--node NODE] [--placement P] [--on-overrun A]
+  run --gpu-memory SIZE [--gpus N] [--node NODE] [--constraint C ...] [--placement P] [--on-overrun A]
       [--priority N] [--preemptible] [--queue [--queue-timeout S]]
       [docker run options: -d --rm --name -e --env-file -l -v --mount --tmpfs -p --network --shm-size
        --ipc --pid -w -u --entrypoint --cpus -m --ulimit --cap-add --device --privileged --stop-signal
@@ -194,13 +196,14 @@ def service(client: Manager, argv: list[str]) -> int:
 
 def service_create(client: Manager, argv: list[str]) -> int:
     """Check the request against the map, then create the service with the task templates added."""
+    constraints, argv = _take_constraints(argv)
     ours, passthrough = _take_options(argv, {"--gpu-memory": True, "--gpus": True, "--on-overrun": True,
                                              "--priority": True, "--preemptible": False, "--queue": False})
     if "--gpu-memory" not in ours:
         raise PluginError("--gpu-memory is required, e.g. --gpu-memory 6GiB")
     memory, count = _memory(ours["--gpu-memory"]), _count(ours.get("--gpus", "1"))
-    _check_fits_somewhere(client, memory, count)
-    extra = [f"--env={k}={v}" for k, v in TASK_TEMPLATES.items()]
+    _check_fits_somewhere(client, memory, count, constraints)
+    extra = [f"--env={k}={v}" for k, v in TASK_TEMPLATES.items()] + swarm_constraints(constraints)
     extra += [f"--env=GPUMGR_REQUEST_MEMORY={memory}", f"--env=GPUMGR_REQUEST_GPUS={count}",
               f"--label=gpumgr.gpu-memory={memory}", f"--label=gpumgr.gpus={count}"]
     if "--on-overrun" in ours:
@@ -247,15 +250,58 @@ def service_ps(client: Manager, argv: list[str]) -> int:
     return 0
 
 
-def _check_fits_somewhere(client: Manager, memory: int, count: int) -> None:
+def _check_fits_somewhere(client: Manager, memory: int, count: int, constraints: Constraints = NO_CONSTRAINTS) -> None:
     nodes = [n for n in client.call("GET", "/v1/nodes")["nodes"] if n["state"] == "ready"]
     if not nodes:
         raise PluginError("no gpumgr agent is ready; start 'gpumgr agent' on the swarm's GPU nodes")
-    best = max((sorted((g["memory_total"] for g in n["gpus"]), reverse=True)[count - 1]
-                for n in nodes if len(n["gpus"]) >= count), default=0)
+    allowed = [[g["memory_total"] for g in n["gpus"] if constraints.allows(_target(n, g))] for n in nodes]
+    best = max((sorted(sizes, reverse=True)[count - 1] for sizes in allowed if len(sizes) >= count), default=0)
     if best < memory:
-        raise PluginError(f"no node has {count} GPU(s) of {format_bytes(memory)}: the largest that could ever hold "
-                          f"this is {format_bytes(best)}; nothing was created")
+        which = f" that {', '.join(constraints.texts)} allow" if constraints else ""
+        raise PluginError(f"no node has {count} GPU(s){which} of {format_bytes(memory)}: the largest that could "
+                          f"ever hold this is {format_bytes(best)}; nothing was created")
+
+
+def _take_constraints(argv: list[str]) -> tuple[Constraints, list[str]]:
+    """Every ``--constraint`` (found as ``_take_options`` finds options), parsed, and the rest of ``argv``.
+
+    A constraint that cannot be read is a PluginError naming it.
+    """
+    texts, rest, index = [], [], 0
+    while index < len(argv):
+        name, has_value, value = argv[index].partition("=")
+        if name == "--constraint":
+            if not has_value:
+                if index + 1 >= len(argv):
+                    raise PluginError("--constraint needs a value")
+                index, value = index + 1, argv[index + 1]
+            texts.append(value)
+        else:
+            rest.append(argv[index])
+        index += 1
+    try:
+        return parse_all(texts), rest
+    except ValueError as exc:
+        raise PluginError(str(exc)) from None
+
+
+def swarm_constraints(constraints: Constraints) -> list[str]:
+    """The ``docker service create`` options that carry ``constraints``.
+
+    ``node.*`` ones are Swarm's own (``node.name`` as ``node.hostname``), passed on as ``--constraint``;
+    ``gpu.*`` ones ride in the task's environment, for the node's runtime hook to ask the manager with.
+    """
+    swarm = [f"--constraint=node.hostname{c.op}{c.text.split(c.op, 1)[1].strip()}" if c.attr == NODE_NAME
+             else f"--constraint={c.text}" for c in constraints.items if not c.attr.startswith("gpu.")]
+    gpu = [c.text for c in constraints.items if c.attr.startswith("gpu.")]
+    return swarm + ([f"--env={Env.REQUEST_CONSTRAINTS}={json.dumps(gpu)}"] if gpu else [])
+
+
+def _target(node: dict[str, Any], gpu: dict[str, Any]) -> Any:
+    """A GPU of ``GET /v1/nodes`` as constraints read it."""
+    return SimpleNamespace(node=node["name"], labels=node.get("labels") or {}, uuid=gpu["uuid"], index=gpu["index"],
+                           total=gpu["memory_total"], name=gpu.get("name") or "",
+                           compute_capability=gpu.get("compute_capability") or "")
 
 
 # --- containers and nodes --------------------------------------------------------------------

@@ -49,7 +49,11 @@ class ConstraintTarget(Protocol):
     total: int
     name: str
     compute_capability: str
-    labels: Mapping[str, str]
+
+    @property
+    def labels(self) -> Mapping[str, str]:
+        """Its node's labels."""
+        ...
 
 
 @dataclass(frozen=True)
