@@ -203,6 +203,11 @@ class Cluster(MapReads):
             except NoFit:
                 self.dispatcher.check_could_fit(spec)  # never_fits, rather than "no room now", when it never will
                 raise
+            except NoAgents:
+                if any(n.ready for n in self.ledger.nodes.values()):  # ready, but every GPU unhealthy
+                    raise NoFit("no GPU takes grants now: every GPU of the ready nodes is unhealthy "
+                                "(GET /v1/nodes says why)") from None
+                raise
             record = self._new_record(spec, tenant)
             take_slots(record, slots)
             self.life.admit(record)
