@@ -10,6 +10,7 @@ hook is refused when the node's GPUs cannot satisfy its ``gpu.*`` constraints.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -207,9 +208,9 @@ def test_the_hook_refuses_a_task_whose_gpu_constraints_this_node_cannot_meet(doc
 
     wrong, right, garbled = task(["gpu.model==*H100*"]), task(["gpu.index==1"]), task(["gpu.index>>1"])
     try:
-        with pytest.raises(Refused, match=r"never_fits|no GPU could ever hold this.*gpu\.model==\*H100\*"):
+        with pytest.raises(Refused, match=r"no GPU could ever hold this.*gpu\.model==\*H100\*"):
             ask_agent(_reserve(wrong.id), docker_agent.hook_socket)
-        with pytest.raises(Refused, match="gpu.index>>1"):
+        with pytest.raises(Refused, match=re.escape("gpu.index>>1")):
             ask_agent(_reserve(garbled.id), docker_agent.hook_socket)
         assert docker_agent.manager.get("/v1/containers").json()["containers"] == []
         granted = ask_agent(_reserve(right.id), docker_agent.hook_socket)
