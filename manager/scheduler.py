@@ -308,20 +308,32 @@ def _binpack_many(index: FreeIndex, request: Request) -> list[GpuSlot] | None:
 def _many_allowed(index: FreeIndex, request: Request) -> list[GpuSlot] | None:
     """A constrained multi-GPU request: its node among those whose allowed GPUs fit.
 
-    The best is the best-connected set, then the policy's sum. Spread walks the ranking, whose sums
-    bound what a node's allowed GPUs can give, until no further node can beat the best found;
-    binpack looks at every node (constrained requests are rare).
+    The best is the best-connected set, then the policy's sum. The nodes are walked in the order of
+    the unconstrained ranking, whose sums bound what a node's allowed GPUs can give (from above for
+    spread, from below for binpack), until no further node can beat the best found; a set not joined
+    by NVLink is kept only while ``TOPOLOGY_LOOKAHEAD`` further nodes offer nothing better joined.
     """
-    spread = request.placement is Placement.SPREAD
-    floor = request.count * request.memory
+    spread, k = request.placement is Placement.SPREAD, request.count
+    if spread:
+        floor = k * request.memory
+        bounds: Iterable[tuple[int, str]] = ((total, node) for total, _, node in reversed(index.ranking(k, True))
+                                             if total >= floor)
+    else:
+        bounds = ((total, node) for total, _, smallest, node in index.ranking(k, False).irange(
+            minimum=(k * request.memory,)) if smallest >= request.memory)
     best: tuple[tuple[int, int], list[GpuSlot]] | None = None
-    nodes: Iterable[tuple[int | None, str]] = (
-        ((total, node) for total, _, node in reversed(index.ranking(request.count, True))) if spread
-        else ((None, node) for node in index.by_node))
-    for bound, node in nodes:
-        if bound is not None and (bound < floor or (best is not None and bound < -best[0][1]
-                                                    and (best[0][0] == 0 or best[1][0].groups is None))):
-            break
+    seen: set[str] = set()
+    after = 0  # nodes looked at since the first set was found
+    for bound, node in bounds:
+        if node in seen:  # binpack: a later window of a node already looked at
+            continue
+        seen.add(node)
+        if best is not None:
+            after += 1
+            beaten = bound <= -best[0][1] if spread else bound >= best[0][1]
+            settled = best[0][0] == 0 or best[1][0].groups is None or not request.topology
+            if beaten and (settled or after > TOPOLOGY_LOOKAHEAD):
+                break
         option = _best_on_node(index.by_node[node], request, spread)
         if option is not None:
             total = sum(s.free for s in option[0])
