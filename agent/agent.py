@@ -22,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from gpumgr.agent import swarm_labels
 from gpumgr.agent.enforcer import Enforcer, EnforcerSettings
 from gpumgr.agent.fence import Fence, StaleEpoch
 from gpumgr.agent.gpus import GpuSource
@@ -107,6 +108,10 @@ class Agent:
             threading.Thread(target=self.enforcer.run, name="enforcer", daemon=True).start()
         if self.hook_socket:
             self._relay = bind_relay(self.hook_socket, self.link, self.runtime, self.node, self.registered)
+        client = getattr(self.runtime, "client", None)
+        if client is not None:  # the engine's API may be slow: never on the link's thread
+            threading.Thread(target=swarm_labels.publish, args=(client, self.devices), name="swarm-labels",
+                             daemon=True).start()
         self.link.run()
 
     def _configure(self, sock: zmq.Socket[bytes]) -> None:

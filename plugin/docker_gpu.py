@@ -20,7 +20,16 @@ from types import SimpleNamespace
 from typing import Any
 
 from gpumgr.wire import defaults
-from gpumgr.wire.constraints import NO_CONSTRAINTS, NODE_NAME, Constraints, parse_all
+from gpumgr.wire.constraints import (
+    GPU_CC,
+    GPU_MEMORY,
+    GPU_MODEL,
+    NO_CONSTRAINTS,
+    NODE_NAME,
+    Constraint,
+    Constraints,
+    parse_all,
+)
 from gpumgr.wire.names import LIVE, Env, Label
 from gpumgr.wire.units import format_bytes, parse_bytes
 
@@ -32,6 +41,10 @@ TIMEOUT = defaults.CLI_TIMEOUT
 #: Swarm expands these templates per task; the runtime hook reads them when the task's container is created.
 TASK_TEMPLATES = {Env.TASK: "{{.Task.ID}}", Env.TASK_NAME: "{{.Task.Name}}",
                   Env.SERVICE: "{{.Service.Name}}", Env.SLOT: "{{.Task.Slot}}"}
+
+
+#: ``gpu.*`` attributes → the Swarm node label the agent writes for them (``agent.swarm_labels``).
+SWARM_LABELS = {GPU_MODEL: "gpumgr.gpu.model", GPU_MEMORY: "gpumgr.gpu.memory", GPU_CC: "gpumgr.gpu.compute_capability"}
 
 
 class PluginError(Exception):
@@ -202,7 +215,9 @@ def service_create(client: Manager, argv: list[str]) -> int:
     if "--gpu-memory" not in ours:
         raise PluginError("--gpu-memory is required, e.g. --gpu-memory 6GiB")
     memory, count = _memory(ours["--gpu-memory"]), _count(ours.get("--gpus", "1"))
-    _check_fits_somewhere(client, memory, count, constraints)
+    # node.* constraints are Swarm's, about Swarm's nodes: only the gpu.* ones are checked against the map
+    _check_fits_somewhere(client, memory, count, Constraints(tuple(c for c in constraints.items
+                                                                    if c.attr.startswith("gpu."))))
     extra = [f"--env={k}={v}" for k, v in TASK_TEMPLATES.items()] + swarm_constraints(constraints)
     extra += [f"--env=GPUMGR_REQUEST_MEMORY={memory}", f"--env=GPUMGR_REQUEST_GPUS={count}",
               f"--label=gpumgr.gpu-memory={memory}", f"--label=gpumgr.gpus={count}"]
@@ -291,10 +306,35 @@ def swarm_constraints(constraints: Constraints) -> list[str]:
     ``node.*`` ones are Swarm's own (``node.name`` as ``node.hostname``), passed on as ``--constraint``;
     ``gpu.*`` ones ride in the task's environment, for the node's runtime hook to ask the manager with.
     """
-    swarm = [f"--constraint=node.hostname{c.op}{c.text.split(c.op, 1)[1].strip()}" if c.attr == NODE_NAME
+    swarm = [f"--constraint=node.hostname{c.op}{_value(c)}" if c.attr == NODE_NAME
              else f"--constraint={c.text}" for c in constraints.items if not c.attr.startswith("gpu.")]
     gpu = [c.text for c in constraints.items if c.attr.startswith("gpu.")]
-    return swarm + ([f"--env={Env.REQUEST_CONSTRAINTS}={json.dumps(gpu)}"] if gpu else [])
+    return swarm + [f"--constraint={hint}" for hint in _label_hints(constraints)] + (
+        [f"--env={Env.REQUEST_CONSTRAINTS}={json.dumps(gpu)}"] if gpu else [])
+
+
+def _label_hints(constraints: Constraints) -> list[str]:
+    """Swarm constraints on the labels agents give their Swarm nodes (``agent.swarm_labels``), for exact ``==``.
+
+    Swarm then sends tasks only to nodes whose GPUs are all of that model (or size, or capability);
+    a node of mixed GPUs carries no such label, and is left to the hook's check by a glob instead.
+    """
+    hints = []
+    for c in constraints.items:
+        label = SWARM_LABELS.get(c.attr)
+        value = _value(c)
+        if label is None or c.op != "==" or any(ch in value for ch in "*?["):
+            continue
+        if c.attr == GPU_MEMORY:
+            value = str(c.number[0])
+        elif c.attr == GPU_CC:
+            value = ".".join(map(str, c.number[:2]))
+        hints.append(f"node.labels.{label}=={value}")
+    return hints
+
+
+def _value(constraint: Constraint) -> str:
+    return constraint.text.split(constraint.op, 1)[1].strip()
 
 
 def _target(node: dict[str, Any], gpu: dict[str, Any]) -> Any:
