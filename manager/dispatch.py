@@ -17,7 +17,7 @@ from typing import Any
 from gpumgr.manager.lifecycle import Lifecycle
 from gpumgr.manager.records import Container, PlacementSpec
 from gpumgr.manager.scheduler import GpuSlot, Placement, Request, link_of, place
-from gpumgr.wire.constraints import NO_CONSTRAINTS, compiled
+from gpumgr.wire.constraints import compiled
 from gpumgr.wire.errors import GpumgrError, NoAgents, NoFit
 from gpumgr.wire.names import EventType, State
 from gpumgr.wire.units import format_bytes
@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 
 def request_for(spec: PlacementSpec, memory: int) -> Request:
     """What the scheduler is asked for ``spec`` at ``memory`` bytes per GPU."""
-    constraints = compiled(tuple(spec.constraints)) if spec.constraints else NO_CONSTRAINTS
-    return Request(memory, spec.count, spec.node, Placement(spec.placement), constraints)
+    if spec.constraints:
+        return Request(memory, spec.count, spec.node, Placement(spec.placement), compiled(tuple(spec.constraints)))
+    return Request(memory, spec.count, spec.node, Placement(spec.placement))  # as bench/scheduler.py's older ones take
 
 
 def take_slots(record: Container, slots: list[GpuSlot]) -> None:
