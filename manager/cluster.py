@@ -204,7 +204,8 @@ class Cluster(MapReads):
                 self.dispatcher.check_could_fit(spec)  # never_fits, rather than "no room now", when it never will
                 raise
             except NoAgents:
-                if any(n.ready for n in self.ledger.nodes.values()):  # ready, but every GPU unhealthy
+                if any(n.ready and any(g.health for g in n.gpus) for n in self.ledger.nodes.values()):
+                    # ready nodes, whose every GPU is unhealthy
                     raise NoFit("no GPU takes grants now: every GPU of the ready nodes is unhealthy "
                                 "(GET /v1/nodes says why)") from None
                 raise

@@ -158,6 +158,10 @@ class FreeIndex:
             ranking.refresh(self.by_node)
         return ranking.keys
 
+    def ranks_of(self, count: int, spread: bool) -> Ranking:
+        """The ranking itself (after :meth:`ranking` brought it up to date)."""
+        return self._ranks[count, spread]
+
     def _touch(self, node: str) -> None:
         for ranking in self._ranks.values():
             ranking.stale.add(node)
@@ -182,6 +186,9 @@ class Ranking:
     of_node: dict[str, set[tuple[Any, ...]]] = field(default_factory=dict)
     #: nodes whose GPUs changed since their keys were computed
     stale: set[str] = field(default_factory=set)
+    #: binpack: the same keys by the class of their smallest free memory (``size_class``), so a lookup
+    #: skips only windows of its own class whose smallest GPU is too small, not every one below the answer
+    by_class: dict[int, SortedList] = field(default_factory=dict)
 
     def refresh(self, by_node: dict[str, list[GpuSlot]]) -> None:
         """Recompute the keys of every stale node."""
@@ -190,11 +197,36 @@ class Ranking:
             after = self._keys_of(node, by_node.get(node, []))
             for key in before - after:
                 self.keys.remove(key)
+                if not self.spread:
+                    self._unclass(key)
             for key in after - before:
                 self.keys.add(key)
+                if not self.spread:
+                    self.by_class.setdefault(size_class(key[2]), SortedList()).add(key)
             if after:
                 self.of_node[node] = after
         self.stale.clear()
+
+    def lowest_fitting(self, memory: int) -> tuple[Any, ...] | None:
+        """Binpack: the lowest key whose window's smallest free memory holds ``memory`` (None: none does)."""
+        own, best = size_class(memory), None
+        for cls, keys in self.by_class.items():
+            if cls > own:  # every window here holds memory: its lowest key is its first
+                first = keys[0]
+            elif cls == own:
+                first = next((key for key in keys.irange(minimum=(self.count * memory,)) if key[2] >= memory), None)
+            else:
+                continue
+            if first is not None and (best is None or first < best):
+                best = first
+        return best
+
+    def _unclass(self, key: tuple[Any, ...]) -> None:
+        cls = size_class(key[2])
+        keys = self.by_class[cls]
+        keys.remove(key)
+        if not keys:
+            del self.by_class[cls]
 
     def _keys_of(self, node: str, slots: list[GpuSlot]) -> set[tuple[Any, ...]]:
         k = self.count
@@ -212,6 +244,12 @@ class Ranking:
         return windows
 
 
+def size_class(size: int) -> int:
+    """A class of sizes, monotone in ``size``: four per power of two (its leading three bits)."""
+    bits = size.bit_length()
+    return bits * 4 + ((size >> (bits - 3)) & 3) if bits >= 3 else size
+
+
 def place(index: FreeIndex, request: Request) -> list[GpuSlot]:
     """Return the GPUs that should hold ``request``, best first; raise NoFit, NoAgents or InvalidRequest.
 
@@ -225,10 +263,10 @@ def place(index: FreeIndex, request: Request) -> list[GpuSlot]:
     if request.node is not None:
         return _place_on_node(index, request)
     if request.count == 1:
-        if request.constraints:
+        if request.constraints.items:
             return _place_one_allowed(index, request)
         return _place_one(index, request)
-    if request.constraints:
+    if request.constraints.items:
         chosen = _many_allowed(index, request)
     else:
         many = _spread_many if request.placement is Placement.SPREAD else _binpack_many
@@ -298,9 +336,17 @@ def _spread_many(index: FreeIndex, request: Request) -> list[GpuSlot] | None:
 def _binpack_many(index: FreeIndex, request: Request) -> list[GpuSlot] | None:
     """The node whose ``count`` smallest fitting GPUs have the least free memory in all."""
     k, memory = request.count, request.memory
+    ranking = index.ranking(k, False)
+    lowest = index.ranks_of(k, False).lowest_fitting(memory)
+    if lowest is None:
+        return None
     best = _Best(request)
-    for _, _, smallest, node in index.ranking(k, False).irange(minimum=(k * memory,)):
-        if smallest >= memory and best.offer(_best_on_node(index.by_node[node], request, False)):
+    if best.offer(_best_on_node(index.by_node[lowest[3]], request, False)):
+        return best.slots
+    # its set is not joined by NVLink: look further, in order, for one that is
+    for _, _, smallest, node in ranking.irange(minimum=lowest):
+        if smallest >= memory and node != lowest[3] and best.offer(_best_on_node(index.by_node[node], request,
+                                                                                  False)):
             break
     return best.slots
 
@@ -370,7 +416,7 @@ def _best_on_node(slots: list[GpuSlot], request: Request, spread: bool) -> tuple
 
     Level 0 is NVLink (``LINKS``); ``len(LINKS)`` means across sockets, or no topology known.
     """
-    memory, allows = request.memory, request.constraints.allows if request.constraints else None
+    memory, allows = request.memory, request.constraints.allows if request.constraints.items else None
     fitting = [(free, s.uuid, s) for s in slots if (free := s.free) >= memory and (allows is None or allows(s))]
     if len(fitting) < request.count:
         return None
