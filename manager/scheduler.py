@@ -133,13 +133,17 @@ class FreeIndex:
     def update(self, slot: GpuSlot) -> None:
         """Re-sort ``slot`` after its free memory changed."""
         old = self._keys.get(slot.uuid)
-        if old is None or old[0] == slot.free:
+        if old is None:
             return
-        self.by_free.remove((old, slot))
-        key = (slot.free, slot.uuid)
-        self._keys[slot.uuid] = key
-        self.by_free.add((key, slot))
-        self._touch(slot.node)
+        free = slot.free
+        if old[0] == free:
+            return
+        by_free = self.by_free
+        by_free.remove((old, slot))
+        key = self._keys[slot.uuid] = (free, slot.uuid)
+        by_free.add((key, slot))
+        for ranking in self._ranks.values():
+            ranking.stale.add(slot.node)
 
     def __contains__(self, slot: GpuSlot) -> bool:
         return slot.uuid in self._keys
