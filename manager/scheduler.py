@@ -193,12 +193,18 @@ class Ranking:
     #: binpack: the same keys by the class of their smallest free memory (``size_class``), so a lookup
     #: skips only windows of its own class whose smallest GPU is too small, not every one below the answer
     by_class: dict[int, SortedList] = field(default_factory=dict)
+    #: node -> its GPUs' free memories, sorted, when its keys were computed
+    frees_of: dict[str, list[int]] = field(default_factory=dict)
 
     def refresh(self, by_node: dict[str, list[GpuSlot]]) -> None:
         """Recompute the keys of every stale node."""
         for node in self.stale:
+            frees = sorted(s.free for s in by_node.get(node, ()))
+            if frees == self.frees_of.get(node):  # back as it was (a grant and its release): same keys
+                continue
+            self.frees_of[node] = frees
             before = self.of_node.pop(node, set())
-            after = self._keys_of(node, by_node.get(node, []))
+            after = self._keys_of(node, frees)
             for key in before - after:
                 self.keys.remove(key)
                 if not self.spread:
@@ -232,11 +238,11 @@ class Ranking:
         if not keys:
             del self.by_class[cls]
 
-    def _keys_of(self, node: str, slots: list[GpuSlot]) -> set[tuple[Any, ...]]:
+    def _keys_of(self, node: str, frees: list[int]) -> set[tuple[Any, ...]]:
+        """The keys of a node whose GPUs' free memories, sorted, are ``frees``."""
         k = self.count
-        if len(slots) < k:
+        if len(frees) < k:
             return set()
-        frees = sorted(s.free for s in slots)
         whole = sum(frees)
         if self.spread:
             return {(sum(frees[-k:]), whole, node)}

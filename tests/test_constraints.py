@@ -312,3 +312,45 @@ def test_the_best_connected_set_matches_the_brute_force_reference(data: st.DataO
     sums = [sum(g.free for g in c) for c in feasible if weakest(c) == best_link]
     best = max(sums) if request.placement is Placement.SPREAD else min(sums)
     assert sum(s.free for s in chosen) == best
+
+
+# --- the queue's journal and the plugin ------------------------------------------------------
+def test_a_queued_constrained_request_keeps_its_constraints_across_a_manager_restart() -> None:
+    cluster = cluster_of({"n0": ({"zone": "a"}, [2]), "n1": ({}, [0])})
+    holder = cluster.reserve(spec(16 * G, constraints=("gpu.model==Tesla*",)))
+    waiting, _ = cluster.submit(spec(10 * G, constraints=("gpu.model==Tesla*",)), queue=True)
+    entry = cluster.life.journal_entry(waiting)
+    restarted = cluster_of({"n0": ({"zone": "a"}, [2]), "n1": ({}, [0])})
+    restarted.reserve(PlacementSpec(memory=16 * G, count=1, placement="spread", image="i", command=[], node="n0"))
+    assert restarted.restore_queue([entry]) == 1
+    restarted.dispatch()
+    again = restarted.get(waiting.id)
+    assert again.state == "queued" and again.spec.constraints == ["gpu.model==Tesla*"]  # the H100 has room: not its
+    assert holder.gpus == ["GPU-n0-0"]
+
+
+def test_docker_gpu_passes_node_constraints_to_swarm_and_gpu_ones_to_the_hook() -> None:
+    from gpumgr.plugin.docker_gpu import PluginError, _take_constraints, swarm_constraints
+
+    constraints, rest = _take_constraints(["--replicas", "2", "--constraint", "node.labels.zone==a", "--constraint=gpu"
+                                           ".model==NVIDIA H100 80GB HBM3", "--constraint", "node.name!=n3",
+                                           "--constraint", "gpu.memory==80GiB", "--constraint", "gpu.model==*A100*",
+                                           "img", "cmd"])
+    assert rest == ["--replicas", "2", "img", "cmd"]
+    options = swarm_constraints(constraints)
+    assert options == ["--constraint=node.labels.zone==a", "--constraint=node.hostname!=n3",
+                       "--constraint=node.labels.gpumgr.gpu.model==NVIDIA H100 80GB HBM3",
+                       f"--constraint=node.labels.gpumgr.gpu.memory=={80 * G}",
+                       '--env=GPUMGR_REQUEST_CONSTRAINTS=["gpu.model==NVIDIA H100 80GB HBM3", "gpu.memory==80GiB", '
+                       '"gpu.model==*A100*"]']
+    with pytest.raises(PluginError, match="unknown attribute"):
+        _take_constraints(["--constraint", "gpu.colour==red", "img"])
+
+
+def test_docker_gpu_run_sends_its_constraints() -> None:
+    from gpumgr.plugin import run_flags
+    from gpumgr.plugin.docker_gpu import PluginError
+
+    args = run_flags.parser(PluginError).parse_args(["--gpu-memory", "1GiB", "--constraint", "gpu.index==1",
+                                                     "--constraint", "node.labels.zone==a", "img"])
+    assert run_flags.build_request(args, PluginError)["constraints"] == ["gpu.index==1", "node.labels.zone==a"]
