@@ -137,14 +137,14 @@ def agent_settings(args: argparse.Namespace, manager: str | None = None) -> Agen
                          labels=label_flags(getattr(args, "labels", None)))  # issue 23
 
 
-def label_flags(given: list[str] | None) -> dict[str, str] | None:  # issue 23
+def label_flags(given: list[str] | None) -> dict[str, str] | None:
     """``--label k=v`` flags as a dict (None: none given, the YAML's labels stand)."""
     if not given:
         return None
     bad = [item for item in given if not item.partition("=")[0] or "=" not in item]
     if bad:
         raise ValueError(f"--label takes KEY=VALUE, not {bad[0]!r}")
-    return dict(item.split("=", 1) for item in given)
+    return dict(item.split("=", 1) for item in given)  # issue 23
 
 
 def run_manager_command(args: argparse.Namespace) -> int:

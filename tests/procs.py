@@ -148,7 +148,8 @@ class AgentProc(Proc):
 
     def __init__(self, tmp: Path, manager: ManagerProc, node: str, gpus: str = "sim:2x24GiB",
                  runtime: str = "docker", env: dict[str, str] | None = None, wait: bool = True,
-                 state_dir: Path | None = None, join: bool = True, extra: list[str] | None = None) -> None:
+                 state_dir: Path | None = None, join: bool = True,
+                 extra: list[str] | None = None) -> None:  # issue 23
         self.node = node
         self.manager = manager
         TEST_NODES.add(node)
