@@ -123,12 +123,13 @@ class Dispatch:
             return
         spec = head.spec
         nodes = [spec.node] if spec.node is not None else list(self.ledger.index.by_node)
+        allowed = compiled(tuple(spec.constraints)).allows if spec.constraints else None
         best: tuple[int, list[Container]] | None = None
         for name in nodes:
             options: list[tuple[int, list[Container]]] = []
             for gpu in self.ledger.node_gpus(name):
-                if gpu not in self.ledger.index:
-                    continue
+                if gpu not in self.ledger.index or (allowed is not None and not allowed(gpu)):
+                    continue  # not schedulable, or not one it may use: nothing there is stopped for it
                 free = gpu.free
                 if free >= head.gpu_memory:
                     options.append((0, []))

@@ -354,3 +354,18 @@ def test_docker_gpu_run_sends_its_constraints() -> None:
     args = run_flags.parser(PluginError).parse_args(["--gpu-memory", "1GiB", "--constraint", "gpu.index==1",
                                                      "--constraint", "node.labels.zone==a", "img"])
     assert run_flags.build_request(args, PluginError)["constraints"] == ["gpu.index==1", "node.labels.zone==a"]
+
+
+def test_preemption_stops_nothing_on_a_gpu_the_waiting_request_may_not_use() -> None:
+    from gpumgr.wire.protocol import ContainerReport
+
+    cluster = cluster_of({"n0": ({}, [2, 2])})  # two T4s of 16 GiB
+    low = [cluster.reserve(PlacementSpec(memory=12 * G, count=1, placement="spread", image="i", command=[],
+                                         preemptible=True, constraints=[f"gpu.index=={i}"])) for i in (0, 1)]
+    for record in low:
+        cluster.started(record.id, ContainerReport(grant=record.id, container_id=f"c-{record.id}", gpus=record.gpus,
+                                                   gpu_memory=12 * G, state="running"))
+    head, _ = cluster.submit(PlacementSpec(memory=8 * G, count=1, placement="spread", image="i", command=[],
+                                           priority=5, constraints=["gpu.index==1"]), queue=True)
+    assert head.state == "queued"
+    assert [r.desired for r in low] == ["running", "preempted"]  # only the one on GPU 1, which it may use
