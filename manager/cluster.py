@@ -197,9 +197,10 @@ class Cluster(MapReads):
     def _submit(self, spec: PlacementSpec, queue: bool, queue_timeout: float | None,
                 tenant: Tenant | None) -> Container:
         self.quotas.check(tenant, spec.memory * spec.count, 1)
+        request = request_for(spec, spec.memory)  # an InvalidRequest here leaves nothing behind
         if not queue and not len(self.queue):  # the common case: nothing waits, place as always
             try:
-                slots = place(self.ledger.index, request_for(spec, spec.memory))
+                slots = place(self.ledger.index, request)
             except NoFit:
                 self.dispatcher.check_could_fit(spec)  # never_fits, rather than "no room now", when it never will
                 raise

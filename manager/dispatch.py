@@ -18,7 +18,7 @@ from gpumgr.manager.lifecycle import Lifecycle
 from gpumgr.manager.records import Container, PlacementSpec
 from gpumgr.manager.scheduler import GpuSlot, Placement, Request, link_of, place
 from gpumgr.wire.constraints import compiled
-from gpumgr.wire.errors import GpumgrError, NoAgents, NoFit
+from gpumgr.wire.errors import GpumgrError, InvalidRequest, NoAgents, NoFit
 from gpumgr.wire.names import EventType, State
 from gpumgr.wire.units import format_bytes
 
@@ -28,7 +28,11 @@ log = logging.getLogger(__name__)
 def request_for(spec: PlacementSpec, memory: int) -> Request:
     """What the scheduler is asked for ``spec`` at ``memory`` bytes per GPU."""
     if spec.constraints:
-        return Request(memory, spec.count, spec.node, Placement(spec.placement), compiled(tuple(spec.constraints)))
+        try:  # validated at the edge already; a node's hook request or a journal line is checked here too
+            constraints = compiled(tuple(spec.constraints))
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequest(f"constraints: {exc}") from None
+        return Request(memory, spec.count, spec.node, Placement(spec.placement), constraints)
     return Request(memory, spec.count, spec.node, Placement(spec.placement))  # as bench/scheduler.py's older ones take
 
 
@@ -98,7 +102,7 @@ class Dispatch:
         memory = spec.memory if memory is None else memory
         if not self.ledger.nodes or (spec.node is not None and spec.node not in self.ledger.nodes):
             return  # nothing known yet: a node may join
-        constraints = compiled(tuple(spec.constraints))
+        constraints = request_for(spec, memory).constraints
         best = self.ledger.capacity(spec.count, spec.node, constraints)
         if best < memory:
             where = f"node {spec.node}" if spec.node else "any node"
@@ -176,6 +180,7 @@ class Dispatch:
         for entry in entries:
             try:
                 spec = PlacementSpec(**entry["spec"])
+                request_for(spec, spec.memory)  # its constraints must read as they did when it was queued
                 expires = entry.get("expires_at")
                 record = Container(
                     id=str(entry["id"]), name=str(entry["name"]), node="", gpus=[], gpu_memory=spec.memory,
@@ -185,7 +190,7 @@ class Dispatch:
                     queued_mono=float(entry["queued_at"]) - wall, queue_seq=int(entry.get("seq", 0)),
                     expires_mono=None if expires is None else float(expires) - wall,
                 )
-            except (KeyError, TypeError, ValueError) as exc:
+            except (KeyError, TypeError, ValueError, InvalidRequest) as exc:
                 log.warning("queue journal entry skipped: %s", exc)
                 continue
             if record.id in self.ledger.records:

@@ -369,3 +369,17 @@ def test_preemption_stops_nothing_on_a_gpu_the_waiting_request_may_not_use() -> 
                                            priority=5, constraints=["gpu.index==1"]), queue=True)
     assert head.state == "queued"
     assert [r.desired for r in low] == ["running", "preempted"]  # only the one on GPU 1, which it may use
+
+
+def test_constraints_that_slipped_past_the_edge_are_refused_and_leave_nothing() -> None:
+    """A node's hook request or a journal line is not checked by the REST model: the model checks again."""
+    from gpumgr.wire.errors import InvalidRequest
+
+    cluster = cluster_of({"n0": ({}, [0])})
+    for queue in (False, True):
+        with pytest.raises(InvalidRequest, match="unknown attribute"):
+            cluster.submit(spec(G, constraints=("gpu.colour==red",)), queue=queue)
+    assert not cluster.containers() and not cluster.ledger.check()
+    entry = {"id": "j1", "name": "j1", "created_at": 0.0, "queued_at": 0.0,
+             "spec": {**spec(G).__dict__, "constraints": ["gpu.index>>0"]}}
+    assert cluster.restore_queue([entry]) == 0
