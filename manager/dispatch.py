@@ -17,7 +17,7 @@ from typing import Any
 from gpumgr.manager.lifecycle import Lifecycle
 from gpumgr.manager.records import Container, PlacementSpec
 from gpumgr.manager.scheduler import GpuSlot, Placement, Request, link_of, place
-from gpumgr.wire.constraints import compiled
+from gpumgr.wire.constraints import NO_CONSTRAINTS, Constraints, compiled
 from gpumgr.wire.errors import GpumgrError, InvalidRequest, NoAgents, NoFit
 from gpumgr.wire.names import EventType, State
 from gpumgr.wire.units import format_bytes
@@ -28,12 +28,19 @@ log = logging.getLogger(__name__)
 def request_for(spec: PlacementSpec, memory: int) -> Request:
     """What the scheduler is asked for ``spec`` at ``memory`` bytes per GPU."""
     if spec.constraints:
-        try:  # validated at the edge already; a node's hook request or a journal line is checked here too
-            constraints = compiled(tuple(spec.constraints))
-        except (ValueError, TypeError) as exc:
-            raise InvalidRequest(f"constraints: {exc}") from None
-        return Request(memory, spec.count, spec.node, Placement(spec.placement), constraints)
+        return Request(memory, spec.count, spec.node, Placement(spec.placement), constraints_of(spec))
     return Request(memory, spec.count, spec.node, Placement(spec.placement))  # as bench/scheduler.py's older ones take
+
+
+def constraints_of(spec: PlacementSpec) -> Constraints:
+    """``spec``'s constraints, compiled; InvalidRequest for one that cannot be read.
+
+    They were validated at the edge already; a node's hook request or a journal line is checked here too.
+    """
+    try:
+        return compiled(tuple(spec.constraints)) if spec.constraints else NO_CONSTRAINTS
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest(f"constraints: {exc}") from None
 
 
 def take_slots(record: Container, slots: list[GpuSlot]) -> None:
@@ -102,7 +109,7 @@ class Dispatch:
         memory = spec.memory if memory is None else memory
         if not self.ledger.nodes or (spec.node is not None and spec.node not in self.ledger.nodes):
             return  # nothing known yet: a node may join
-        constraints = request_for(spec, memory).constraints
+        constraints = constraints_of(spec)
         best = self.ledger.capacity(spec.count, spec.node, constraints)
         if best < memory:
             where = f"node {spec.node}" if spec.node else "any node"
@@ -127,7 +134,7 @@ class Dispatch:
             return
         spec = head.spec
         nodes = [spec.node] if spec.node is not None else list(self.ledger.index.by_node)
-        allowed = compiled(tuple(spec.constraints)).allows if spec.constraints else None
+        allowed = constraints_of(spec).allows if spec.constraints else None
         best: tuple[int, list[Container]] | None = None
         for name in nodes:
             options: list[tuple[int, list[Container]]] = []
