@@ -217,19 +217,21 @@ class Ranking:
                 self.of_node[node] = after
         self.stale.clear()
 
-    def lowest_fitting(self, memory: int) -> tuple[Any, ...] | None:
-        """Binpack: the lowest key whose window's smallest free memory holds ``memory`` (None: none does)."""
-        own, best = size_class(memory), None
+    def lowest_fitting(self, memory: int) -> list[tuple[Any, ...]]:
+        """Binpack: per class of smallest free memory, the lowest key whose window holds ``memory``, lowest first.
+
+        The first is the lowest key of all that fits; the others are the best of their classes.
+        """
+        own, found = size_class(memory), []
         for cls, keys in self.by_class.items():
             if cls > own:  # every window here holds memory: its lowest key is its first
-                first = keys[0]
+                found.append(keys[0])
             elif cls == own:
                 first = next((key for key in keys.irange(minimum=(self.count * memory,)) if key[2] >= memory), None)
-            else:
-                continue
-            if first is not None and (best is None or first < best):
-                best = first
-        return best
+                if first is not None:
+                    found.append(first)
+        found.sort()
+        return found
 
     def _unclass(self, key: tuple[Any, ...]) -> None:
         cls = size_class(key[2])
@@ -344,20 +346,20 @@ def _spread_many(index: FreeIndex, request: Request) -> list[GpuSlot] | None:
 
 
 def _binpack_many(index: FreeIndex, request: Request) -> list[GpuSlot] | None:
-    """The node whose ``count`` smallest fitting GPUs have the least free memory in all."""
-    k, memory = request.count, request.memory
-    ranking = index.ranking(k, False)
-    lowest = index.ranks_of(k, False).lowest_fitting(memory)
-    if lowest is None:
-        return None
-    best = _Best(request)
-    if best.offer(_best_on_node(index.by_node[lowest[3]], request, False)):
-        return best.slots
-    # its set is not joined by NVLink: look further, in order, for one that is
-    for _, _, smallest, node in ranking.irange(minimum=lowest):
-        if smallest >= memory and node != lowest[3] and best.offer(_best_on_node(index.by_node[node], request,
-                                                                                  False)):
-            break
+    """The node whose ``count`` smallest fitting GPUs have the least free memory in all.
+
+    When that node's set is not joined by NVLink, the best nodes of the other classes of smallest
+    free memory (``Ranking.lowest_fitting``), in order, are looked at for one that is.
+    """
+    index.ranking(request.count, False)
+    candidates = index.ranks_of(request.count, False).lowest_fitting(request.memory)
+    best, seen = _Best(request), set()
+    for key in candidates:
+        node = key[3]
+        if node not in seen:
+            seen.add(node)
+            if best.offer(_best_on_node(index.by_node[node], request, False)):
+                break
     return best.slots
 
 
