@@ -84,7 +84,8 @@ def test_every_attribute_and_operator_places_only_where_allowed(three_models, te
         record = response.json()
         assert placed_on(manager, record) in allowed, (constraint, placed_on(manager, record))
         assert record["constraints"] == [constraint]
-        assert manager.delete(f"/v1/containers/{record['id']}").status_code == 200
+        removed = manager.delete(f"/v1/containers/{record['id']}")
+        assert removed.status_code == 200, (constraint, removed.text)
     # two at once: both must hold
     both = manager.post("/v1/containers", json=job(test_image, "1GiB", constraints=[
         "gpu.model==*A100*", "node.labels.zone!=b"])).json()
