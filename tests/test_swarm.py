@@ -238,33 +238,6 @@ def test_an_image_asking_for_memory_does_not_get_a_second_grant(engine, cluster)
         manager.delete(f"/v1/containers/{record['id']}")
 
 
-def test_swarm_tasks_are_readopted_after_an_agent_restart(engine, cluster, tmp_path):
-    """Issue item 6: Swarm task containers were not re-adopted after an agent restart (last: it stops the agent)."""
-    manager, agent = cluster
-    created = docker_gpu(engine, manager, "service", "create", "--detach", "--gpu-memory", "4GiB", "--replicas", "2",
-                         "--name", "again", "--stop-grace-period", "1s", IMAGE, "sleep", "3600")
-    assert created.returncode == 0, created.stderr
-    again = None
-    try:
-        grants = wait_for(lambda: (g := [r for r in manager.get("/v1/containers", params={"service": "again"}).json()[
-            "containers"] if r["state"] == "running"]) and len(g) == 2 and g, 60, what="2 running replicas")
-        agent.stop()
-        again = AgentProc(tmp_path, manager, "swarm-node", gpus="sim:2x13GiB", state_dir=agent.state_dir, join=False,
-                          env={"DOCKER_HOST": engine.env["DOCKER_HOST"], "GPUMGR_HOOK_SOCKET": engine.hook_socket})
-        after = {r["id"]: r for r in manager.get("/v1/containers", params={"service": "again"}).json()["containers"]}
-        for grant in grants:  # the same grants, still running, on the same containers
-            assert after[grant["id"]]["state"] == "running"
-            assert after[grant["id"]]["container_id"] == grant["container_id"]
-        assert sum(g["memory_reserved"] for g in manager.node("swarm-node")["gpus"]) == 8 * GiB
-        assert "not adopted" not in " ".join(e["message"] for e in manager.events())
-    finally:
-        docker_gpu(engine, manager, "service", "rm", "again")
-        wait_for(lambda: all(g["memory_reserved"] == 0 for g in manager.node("swarm-node")["gpus"]), 30,
-                 what="every grant freed after rm")
-        if again is not None:
-            again.stop()
-
-
 # --- constraints (issue 23) ----------------------------------------------------------------------
 def test_the_agent_labels_its_swarm_node_with_its_gpus(engine, cluster):
     labels = wait_for(lambda: (found := json.loads(engine.docker("node", "inspect", "self", "--format",
@@ -313,3 +286,31 @@ def test_gpu_constraints_pick_the_gpu_and_a_task_that_violates_them_is_refused(e
         assert not live()
     finally:
         engine.docker("service", "rm", "p23-refused", check=False)
+
+
+def test_swarm_tasks_are_readopted_after_an_agent_restart(engine, cluster, tmp_path):
+    """Issue item 6: Swarm task containers were not re-adopted after an agent restart (last: it stops the agent)."""
+    manager, agent = cluster
+    created = docker_gpu(engine, manager, "service", "create", "--detach", "--gpu-memory", "4GiB", "--replicas", "2",
+                         "--name", "again", "--stop-grace-period", "1s", IMAGE, "sleep", "3600")
+    assert created.returncode == 0, created.stderr
+    again = None
+    try:
+        grants = wait_for(lambda: (g := [r for r in manager.get("/v1/containers", params={"service": "again"}).json()[
+            "containers"] if r["state"] == "running"]) and len(g) == 2 and g, 60, what="2 running replicas")
+        agent.stop()
+        again = AgentProc(tmp_path, manager, "swarm-node", gpus="sim:2x13GiB", state_dir=agent.state_dir, join=False,
+                          env={"DOCKER_HOST": engine.env["DOCKER_HOST"], "GPUMGR_HOOK_SOCKET": engine.hook_socket})
+        after = {r["id"]: r for r in manager.get("/v1/containers", params={"service": "again"}).json()["containers"]}
+        for grant in grants:  # the same grants, still running, on the same containers
+            assert after[grant["id"]]["state"] == "running"
+            assert after[grant["id"]]["container_id"] == grant["container_id"]
+        assert sum(g["memory_reserved"] for g in manager.node("swarm-node")["gpus"]) == 8 * GiB
+        assert "not adopted" not in " ".join(e["message"] for e in manager.events())
+    finally:
+        docker_gpu(engine, manager, "service", "rm", "again")
+        wait_for(lambda: all(g["memory_reserved"] == 0 for g in manager.node("swarm-node")["gpus"]), 30,
+                 what="every grant freed after rm")
+        if again is not None:
+            again.stop()
+
