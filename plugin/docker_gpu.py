@@ -11,25 +11,15 @@ import json
 import os
 import subprocess
 import sys
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
+from gpumgr.client import Client, ManagerUnreachable, Stream
+from gpumgr.plugin.placement import NOTHING, Wanted, allowed_sizes, swarm_constraints, take_constraints
 from gpumgr.wire import defaults
-from gpumgr.wire.constraints import (
-    GPU_CC,
-    GPU_MEMORY,
-    GPU_MODEL,
-    NO_CONSTRAINTS,
-    NODE_NAME,
-    Constraint,
-    Constraints,
-    parse_all,
-)
+from gpumgr.wire.constraints import NO_CONSTRAINTS, Constraints
+from gpumgr.wire.errors import GpumgrError
 from gpumgr.wire.names import LIVE, Env, Label
 from gpumgr.wire.units import format_bytes, parse_bytes
 
@@ -41,10 +31,6 @@ TIMEOUT = defaults.CLI_TIMEOUT
 #: Swarm expands these templates per task; the runtime hook reads them when the task's container is created.
 TASK_TEMPLATES = {Env.TASK: "{{.Task.ID}}", Env.TASK_NAME: "{{.Task.Name}}",
                   Env.SERVICE: "{{.Service.Name}}", Env.SLOT: "{{.Task.Slot}}"}
-
-
-#: ``gpu.*`` attributes → the Swarm node label the agent writes for them (``agent.swarm_labels``).
-SWARM_LABELS = {GPU_MODEL: "gpumgr.gpu.model", GPU_MEMORY: "gpumgr.gpu.memory", GPU_CC: "gpumgr.gpu.compute_capability"}
 
 
 class PluginError(Exception):
@@ -103,6 +89,10 @@ def run(argv: list[str]) -> int:
         return show_containers(client)
     if command == "service":
         return service(client, rest)
+    if command == "stack":
+        from gpumgr.plugin import stack  # YAML is read only here
+
+        return stack.stack(client, rest)
     raise PluginError(f"unknown command {command!r}; try 'docker gpu --help'")
 
 
@@ -116,6 +106,12 @@ Commands:
                  [docker service create options] IMAGE [CMD]
   service ps SERVICE      each replica: node, GPU, grant, usage, or why it waits
   service rm SERVICE...   (any other 'service' command is passed to 'docker service' unchanged)
+  stack deploy -c FILE [-c FILE...] [docker stack deploy options] STACK
+                          each service's x-gpumgr block (gpu_memory, gpus, priority, preemptible, queue,
+                          constraints, on_overrun; a top-level x-gpumgr gives defaults) becomes every
+                          replica's grant, as 'service create' gives it; the rest goes to 'docker stack deploy'
+  stack ps STACK          each replica: node, GPU, grant, usage, or why it waits
+  stack rm|ls ...         passed to 'docker stack' unchanged
   run --gpu-memory SIZE [--gpus N] [--node NODE] [--constraint C ...] [--placement P] [--on-overrun A]
       [--priority N] [--preemptible] [--queue [--queue-timeout S]]
       [docker run options: -d --rm --name -e --env-file -l -v --mount --tmpfs -p --network --shm-size
@@ -152,49 +148,38 @@ Exceptions: the operator lists image IDs under guard_allow in the agent's YAML; 
 
 
 class Manager:
-    """The gpumgr manager's REST API, with errors turned into PluginError."""
+    """The manager's REST API through the Python client (:mod:`gpumgr.client`), its errors as PluginError."""
 
     def __init__(self, url: str | None) -> None:
         settings = _settings()
-        self.url = (url or os.environ.get(Env.MANAGER) or settings.get("manager") or DEFAULT_MANAGER).rstrip("/")
+        urls = url or os.environ.get(Env.MANAGER) or settings.get("manager") or DEFAULT_MANAGER
         token = os.environ.get(Env.TOKEN) or settings.get("token")
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            self.client = Client(str(urls), str(token) if token else None, TIMEOUT)
+        except GpumgrError as exc:
+            raise PluginError(f"{exc.message}; set --manager or GPUMGR_MANAGER") from None
+        self.url = self.client.api.url
 
     def call(self, method: str, path: str, *, params: dict[str, str] | None = None, json_body: Any = None) -> Any:
-        """One REST call (the standard library's client: this CLI should start fast)."""
-        url = self.url + path + (f"?{urllib.parse.urlencode(params)}" if params else "")
-        data = None if json_body is None else json.dumps(json_body).encode()
-        headers = {**self.headers, **({"Content-Type": "application/json"} if data is not None else {})}
-        request = urllib.request.Request(url, data=data, method=method, headers=headers)
+        """One REST call; its JSON answer."""
         try:
-            with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
-                return json.loads(response.read() or b"{}")
-        except urllib.error.HTTPError as exc:
-            raise _http_error(exc) from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise PluginError(f"cannot reach the gpumgr manager at {self.url} ({exc}); "
-                              "set --manager or GPUMGR_MANAGER") from None
+            return self.client.api.call(method, path, params=params, body=json_body)
+        except GpumgrError as exc:
+            raise _plugin_error(exc) from None
 
-
-    def stream(self, path: str, params: dict[str, str], accept: str) -> Any:
+    def stream(self, path: str, params: dict[str, str], accept: str) -> Stream:
         """A streamed GET (no read timeout: a quiet container may say nothing for hours), for ``with``."""
-        url = self.url + path + f"?{urllib.parse.urlencode(params)}"
-        request = urllib.request.Request(url, headers={**self.headers, "Accept": accept})
         try:
-            return urllib.request.urlopen(request)
-        except urllib.error.HTTPError as exc:
-            raise _http_error(exc) from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise PluginError(f"cannot reach the gpumgr manager at {self.url} ({exc})") from None
+            return self.client.api.stream(path, params, accept)
+        except GpumgrError as exc:
+            raise _plugin_error(exc) from None
 
 
-def _http_error(exc: urllib.error.HTTPError) -> PluginError:
-    """The manager's JSON error as one line: its message and code."""
-    try:
-        error = json.loads(exc.read()).get("error", {})
-    except (ValueError, AttributeError):
-        error = {}
-    return PluginError(f"{error.get('message', exc.reason)} ({error.get('code', exc.code)})")
+def _plugin_error(exc: GpumgrError) -> PluginError:
+    """The client's error as one line: the manager's message and code, or why no manager could be reached."""
+    if isinstance(exc, ManagerUnreachable):
+        return PluginError(f"{exc.message}; set --manager or GPUMGR_MANAGER")
+    return PluginError(f"{exc.message} ({exc.code})")
 
 
 # --- service ---------------------------------------------------------------------------------
@@ -207,17 +192,37 @@ def service(client: Manager, argv: list[str]) -> int:
     return _docker(["service", *argv])
 
 
+#: ``docker gpu service create``'s own options: name → whether it takes a value. The rest go to Docker.
+SERVICE_OPTIONS = {"--gpu-memory": True, "--gpus": True, "--on-overrun": True, "--priority": True,
+                   "--preemptible": False, "--queue": False}
+
+
 def service_create(client: Manager, argv: list[str]) -> int:
     """Check the request against the map, then create the service with the task templates added."""
-    constraints, argv = _take_constraints(argv)
-    ours, passthrough = _take_options(argv, {"--gpu-memory": True, "--gpus": True, "--on-overrun": True,
-                                             "--priority": True, "--preemptible": False, "--queue": False})
+    constraints, argv = constraints_of(argv)
+    ours, passthrough = _take_options(argv, SERVICE_OPTIONS)
+    return _docker(["service", "create", *grant_args(client, ours, constraints), *passthrough])
+
+
+def constraints_of(argv: list[str]) -> tuple[Wanted, list[str]]:
+    """The ``--constraint`` options of ``argv``, parsed, and the rest; a PluginError names one that cannot be read."""
+    try:
+        return take_constraints(argv)
+    except ValueError as exc:
+        raise PluginError(str(exc)) from None
+
+
+def grant_args(client: Manager, ours: dict[str, str], constraints: Wanted = NOTHING) -> list[str]:
+    """``docker service create`` options that give each replica the grant ``ours`` asks for (also used by stacks).
+
+    The request travels in the task's environment, which the runtime hook reads when the node creates the
+    task's container, with Swarm's templates naming the task; the service's labels say it for people.
+    ``constraints``: ``node.*`` ones go to Swarm, ``gpu.*`` ones to the hook (``plugin.placement``).
+    """
     if "--gpu-memory" not in ours:
         raise PluginError("--gpu-memory is required, e.g. --gpu-memory 6GiB")
     memory, count = _memory(ours["--gpu-memory"]), _count(ours.get("--gpus", "1"))
-    # node.* constraints are Swarm's, about Swarm's nodes: only the gpu.* ones are checked against the map
-    _check_fits_somewhere(client, memory, count, Constraints(tuple(c for c in constraints.items
-                                                                    if c.attr.startswith("gpu."))))
+    _check_fits_somewhere(client, memory, count, constraints.gpu)
     extra = [f"--env={k}={v}" for k, v in TASK_TEMPLATES.items()] + swarm_constraints(constraints)
     extra += [f"--env=GPUMGR_REQUEST_MEMORY={memory}", f"--env=GPUMGR_REQUEST_GPUS={count}",
               f"--label=gpumgr.gpu-memory={memory}", f"--label=gpumgr.gpus={count}"]
@@ -236,15 +241,20 @@ def service_create(client: Manager, argv: list[str]) -> int:
     if "--queue" in ours:
         # a replica with no room waits in its create, shown as pending by 'docker gpu service ps'
         extra.append(f"--env={Env.REQUEST_QUEUE}=1")
-    return _docker(["service", "create", *extra, *passthrough])
+    return extra
 
 
 def service_ps(client: Manager, argv: list[str]) -> int:
     """Each task of the service with its grant and usage, or the reason it has none."""
     name = argv[-1]
     tasks = _docker_json(["service", "ps", "--no-trunc", "--format", "{{json .}}", name])
-    grants = {r["labels"].get(Label.TASK): r for r in client.call("GET", "/v1/containers",
-                                                                        params={"service": name})["containers"]}
+    print_tasks(tasks, client.call("GET", "/v1/containers", params={"service": name})["containers"])
+    return 0
+
+
+def print_tasks(tasks: list[dict[str, Any]], records: list[dict[str, Any]]) -> None:
+    """Swarm's ``tasks`` (``docker service ps`` JSON lines) as a table with each one's grant from ``records``."""
+    grants = {r["labels"].get(Label.TASK): r for r in records}
     rows = [("TASK", "NODE", "STATE", "GPU", "GRANT", "USED", "NOTE")]
     for task in tasks:
         record: Any = grants.get(task["ID"])  # a record from the manager's JSON, or None
@@ -262,86 +272,18 @@ def service_ps(client: Manager, argv: list[str]) -> int:
                      format_bytes(record["gpu_memory"]) if live else "-",
                      format_bytes(record["gpu_memory_used"]) if live else "-", note))
     _print_table(rows)
-    return 0
 
 
 def _check_fits_somewhere(client: Manager, memory: int, count: int, constraints: Constraints = NO_CONSTRAINTS) -> None:
     nodes = [n for n in client.call("GET", "/v1/nodes")["nodes"] if n["state"] == "ready"]
     if not nodes:
         raise PluginError("no gpumgr agent is ready; start 'gpumgr agent' on the swarm's GPU nodes")
-    allowed = [[g["memory_total"] for g in n["gpus"] if constraints.allows(_target(n, g))] for n in nodes]
-    best = max((sorted(sizes, reverse=True)[count - 1] for sizes in allowed if len(sizes) >= count), default=0)
+    best = max((sorted(sizes, reverse=True)[count - 1] for sizes in allowed_sizes(nodes, constraints)
+                if len(sizes) >= count), default=0)
     if best < memory:
         which = f" that {', '.join(constraints.texts)} allow" if constraints else ""
         raise PluginError(f"no node has {count} GPU(s){which} of {format_bytes(memory)}: the largest that could "
                           f"ever hold this is {format_bytes(best)}; nothing was created")
-
-
-def _take_constraints(argv: list[str]) -> tuple[Constraints, list[str]]:
-    """Every ``--constraint`` (found as ``_take_options`` finds options), parsed, and the rest of ``argv``.
-
-    A constraint that cannot be read is a PluginError naming it.
-    """
-    texts, rest, index = [], [], 0
-    while index < len(argv):
-        name, has_value, value = argv[index].partition("=")
-        if name == "--constraint":
-            if not has_value:
-                if index + 1 >= len(argv):
-                    raise PluginError("--constraint needs a value")
-                index, value = index + 1, argv[index + 1]
-            texts.append(value)
-        else:
-            rest.append(argv[index])
-        index += 1
-    try:
-        return parse_all(texts), rest
-    except ValueError as exc:
-        raise PluginError(str(exc)) from None
-
-
-def swarm_constraints(constraints: Constraints) -> list[str]:
-    """The ``docker service create`` options that carry ``constraints``.
-
-    ``node.*`` ones are Swarm's own (``node.name`` as ``node.hostname``), passed on as ``--constraint``;
-    ``gpu.*`` ones ride in the task's environment, for the node's runtime hook to ask the manager with.
-    """
-    swarm = [f"--constraint=node.hostname{c.op}{_value(c)}" if c.attr == NODE_NAME
-             else f"--constraint={c.text}" for c in constraints.items if not c.attr.startswith("gpu.")]
-    gpu = [c.text for c in constraints.items if c.attr.startswith("gpu.")]
-    return swarm + [f"--constraint={hint}" for hint in _label_hints(constraints)] + (
-        [f"--env={Env.REQUEST_CONSTRAINTS}={json.dumps(gpu)}"] if gpu else [])
-
-
-def _label_hints(constraints: Constraints) -> list[str]:
-    """Swarm constraints on the labels agents give their Swarm nodes (``agent.swarm_labels``), for exact ``==``.
-
-    Swarm then sends tasks only to nodes whose GPUs are all of that model (or size, or capability);
-    a node of mixed GPUs carries no such label, and is left to the hook's check by a glob instead.
-    """
-    hints = []
-    for c in constraints.items:
-        label = SWARM_LABELS.get(c.attr)
-        value = _value(c)
-        if label is None or c.op != "==" or any(ch in value for ch in "*?["):
-            continue
-        if c.attr == GPU_MEMORY:
-            value = str(c.number[0])
-        elif c.attr == GPU_CC:
-            value = ".".join(map(str, c.number[:2]))
-        hints.append(f"node.labels.{label}=={value}")
-    return hints
-
-
-def _value(constraint: Constraint) -> str:
-    return constraint.text.split(constraint.op, 1)[1].strip()
-
-
-def _target(node: dict[str, Any], gpu: dict[str, Any]) -> Any:
-    """A GPU of ``GET /v1/nodes`` as constraints read it."""
-    return SimpleNamespace(node=node["name"], labels=node.get("labels") or {}, uuid=gpu["uuid"], index=gpu["index"],
-                           total=gpu["memory_total"], name=gpu.get("name") or "",
-                           compute_capability=gpu.get("compute_capability") or "")
 
 
 # --- containers and nodes --------------------------------------------------------------------
@@ -425,4 +367,7 @@ def _settings() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the imported module's main, not this __main__ copy's: then one PluginError class is raised and caught
+    from gpumgr.plugin.docker_gpu import main as _main
+
+    sys.exit(_main())

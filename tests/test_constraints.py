@@ -330,21 +330,23 @@ def test_a_queued_constrained_request_keeps_its_constraints_across_a_manager_res
 
 
 def test_docker_gpu_passes_node_constraints_to_swarm_and_gpu_ones_to_the_hook() -> None:
-    from gpumgr.plugin.docker_gpu import PluginError, _take_constraints, swarm_constraints
+    from gpumgr.plugin.docker_gpu import PluginError, constraints_of
+    from gpumgr.plugin.placement import swarm_constraints
 
-    constraints, rest = _take_constraints(["--replicas", "2", "--constraint", "node.labels.zone==a", "--constraint=gpu"
-                                           ".model==NVIDIA H100 80GB HBM3", "--constraint", "node.name!=n3",
-                                           "--constraint", "gpu.memory==80GiB", "--constraint", "gpu.model==*A100*",
-                                           "img", "cmd"])
+    constraints, rest = constraints_of(["--replicas", "2", "--constraint", "node.labels.zone==a", "--constraint=gpu"
+                                        ".model==NVIDIA H100 80GB HBM3", "--constraint", "node.name!=n3",
+                                        "--constraint", "gpu.memory==80GiB", "--constraint", "gpu.model==*A100*",
+                                        "--constraint", "node.role==manager", "img", "cmd"])
     assert rest == ["--replicas", "2", "img", "cmd"]
     options = swarm_constraints(constraints)
     assert options == ["--constraint=node.labels.zone==a", "--constraint=node.hostname!=n3",
+                       "--constraint=node.role==manager",
                        "--constraint=node.labels.gpumgr.gpu.model==NVIDIA H100 80GB HBM3",
                        f"--constraint=node.labels.gpumgr.gpu.memory=={80 * G}",
                        '--env=GPUMGR_REQUEST_CONSTRAINTS=["gpu.model==NVIDIA H100 80GB HBM3", "gpu.memory==80GiB", '
                        '"gpu.model==*A100*"]']
     with pytest.raises(PluginError, match="unknown attribute"):
-        _take_constraints(["--constraint", "gpu.colour==red", "img"])
+        constraints_of(["--constraint", "gpu.colour==red", "img"])
 
 
 def test_docker_gpu_run_sends_its_constraints() -> None:
