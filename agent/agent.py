@@ -23,6 +23,7 @@ from typing import Any
 import zmq
 
 from gpumgr import __version__
+from gpumgr.agent import swarm_labels
 from gpumgr.agent.enforcer import Enforcer, EnforcerSettings
 from gpumgr.agent.fence import Fence, StaleEpoch
 from gpumgr.agent.gpus import GpuSource
@@ -59,8 +60,10 @@ class Agent:
     def __init__(self, node: str, endpoint: str, source: GpuSource, runtime: Runtime, identity: Identity, *,
                  heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL,
                  enforcement: EnforcerSettings | None = DEFAULT_ENFORCEMENT, hook_socket: str | None = None,
-                 join_timeout: float = defaults.JOIN_TIMEOUT) -> None:
+                 join_timeout: float = defaults.JOIN_TIMEOUT, labels: dict[str, str] | None = None) -> None:
         self.node = node
+        #: the node's labels from its operator, sent with each registration
+        self.labels = dict(labels or {})
         self.endpoint = endpoint
         #: this process's id in registrations: the manager tells a restart (new id) from a reconnect
         self.instance = os.urandom(8).hex()
@@ -114,6 +117,10 @@ class Agent:
             threading.Thread(target=self.enforcer.run, name="enforcer", daemon=True).start()
         if self.hook_socket:
             self._relay = bind_relay(self.hook_socket, self.link, self.runtime, self.node, self.registered)
+        client = getattr(self.runtime, "client", None)
+        if client is not None:  # the engine's API may be slow: never on the link's thread
+            threading.Thread(target=swarm_labels.publish, args=(client, self.devices), name="swarm-labels",
+                             daemon=True).start()
         self.link.run()
 
     def _configure(self, sock: zmq.Socket[bytes]) -> None:
@@ -251,13 +258,15 @@ class Agent:
 
     def _register_message(self) -> protocol.Register:
         """Who we are, our GPUs and every managed container; compact reports if whole ones are over the bound."""
-        gpus = [protocol.GpuInfo(uuid=d.uuid, index=d.index, name=d.name, memory_total=d.memory_total)
-                for d in self.devices]
+        health = self.source.health()
+        gpus = [protocol.GpuInfo(uuid=d.uuid, index=d.index, name=d.name, memory_total=d.memory_total,
+                                 compute_capability=d.compute_capability, links=dict(d.links),
+                                 health=health.get(d.uuid, "")) for d in self.devices]
         managed = _newest_ends(self.runtime.managed(), defaults.FINISHED_KEPT)
         refused = list(self.runtime.refused)
         message = protocol.Register(node=self.node, runtime=self.runtime.kind, gpus=gpus,
                                     containers=[m.report() for m in managed], refused=refused,
-                                    instance=self.instance, version=__version__)
+                                    instance=self.instance, version=__version__, labels=self.labels)
         try:
             protocol.encode(message)
         except ProtocolError:  # long commands or labels: the grants matter, those do not

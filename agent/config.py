@@ -30,6 +30,10 @@ class AgentSettings(Settings):
     join_timeout: float = Field(defaults.JOIN_TIMEOUT, gt=0)
     node: str = Field(default_factory=socket.gethostname, min_length=1)
     gpus: str = "auto"
+    #: this node's labels, for ``node.labels.KEY`` constraints (also ``--label KEY=VALUE``)
+    labels: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,254}$")],
+                 Annotated[str, Field(max_length=1024)]] = Field(default_factory=dict,
+                                                                  max_length=defaults.MAX_NODE_LABELS)
     runtime: Literal["auto", "docker", "process"] = "auto"
     heartbeat_interval: float = Field(defaults.HEARTBEAT_INTERVAL, gt=0)
     network_mode: str | None = None

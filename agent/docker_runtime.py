@@ -30,6 +30,7 @@ from gpumgr.agent.runtime import (
     managed_from_labels,
 )
 from gpumgr.wire import defaults, security
+from gpumgr.wire.constraints import parse_all
 from gpumgr.wire.errors import InvalidRequest, NotFound, RuntimeFailure
 from gpumgr.wire.names import Env, Label, State, flag_set
 from gpumgr.wire.policy import Policy
@@ -266,7 +267,8 @@ class DockerRuntime(EngineEvents):
                               on_overrun=env.get(Env.REQUEST_ON_OVERRUN) or None,
                               priority=int(env.get(Env.REQUEST_PRIORITY) or 0),
                               preemptible=flag_set(env.get(Env.REQUEST_PREEMPTIBLE)),
-                              queue=flag_set(env.get(Env.REQUEST_QUEUE)))
+                              queue=flag_set(env.get(Env.REQUEST_QUEUE)),
+                              constraints=task_constraints(env.get(Env.REQUEST_CONSTRAINTS)))
         except (KeyError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
             raise InvalidRequest(f"container {request.container_id[:12]} asks for no valid GPU memory: {exc}") from None
         return self.hook_limits.apply(reserve, attrs["Config"].get("Labels"))  # issue 22: a plain run is no operator
@@ -478,3 +480,17 @@ def docker_answers() -> bool:
         return True
     except Exception:  # any failure means no usable engine
         return False
+
+
+def task_constraints(given: str | None) -> list[str]:
+    """A task's constraints from its environment (a JSON list); ValueError naming what cannot be read."""
+    if not given:
+        return []
+    try:
+        texts = json.loads(given)
+    except ValueError:
+        raise ValueError(f"{Env.REQUEST_CONSTRAINTS} must be a JSON list of constraints") from None
+    if not isinstance(texts, list):
+        raise ValueError(f"{Env.REQUEST_CONSTRAINTS} must be a JSON list of constraints")
+    parse_all(texts)
+    return [str(t) for t in texts]

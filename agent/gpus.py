@@ -31,6 +31,10 @@ class Device:
     index: int
     name: str
     memory_total: int
+    #: ``"9.0"``; "" when the source cannot tell
+    compute_capability: str = ""
+    #: how it is joined to each other GPU of the host: ``(uuid, link)`` pairs (``protocol.LINK_NAMES``)
+    links: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,10 @@ class GpuSource(Protocol):
         """``processes`` of every GPU in one go: the full sample."""
         ...
 
+    def health(self) -> dict[str, str]:
+        """Why each GPU is unhealthy now, by uuid ("" when healthy); see :mod:`gpumgr.agent.nvml_facts`."""
+        ...
+
     def close(self) -> None:
         """Release what the source holds; it must not be used afterwards."""
         ...
@@ -112,6 +120,6 @@ def _nvml() -> GpuSource:
 
 
 def _simulated(spec: str, seed: str) -> GpuSource:
-    from gpumgr.agent.simgpu import SimSource, parse_sim_spec
+    from gpumgr.agent.simgpu import SimSource, parse_sim_spec, sim_health_path
 
-    return SimSource(parse_sim_spec(spec, seed))
+    return SimSource(parse_sim_spec(spec, seed), health_file=sim_health_path(spec))

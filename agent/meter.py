@@ -34,6 +34,7 @@ def take_sample(source: GpuSource, devices: list[Device], runtime: Runtime) -> S
     gpus = []
     processes = source.process_snapshot()
     memory = source.memory_poll()  # right after a process snapshot the cheap read is exact
+    health = source.health()
     for device in devices:
         used = memory[device.uuid]
         managed_bytes = 0
@@ -47,5 +48,6 @@ def take_sample(source: GpuSource, devices: list[Device], runtime: Runtime) -> S
             pids[owner.grant][device.uuid].append((proc.pid, started))
             managed_bytes += proc.used
         used = min(used, defaults.MAX_BYTES)
-        gpus.append(GpuSample(uuid=device.uuid, memory_used=used, memory_unmanaged=max(0, used - managed_bytes)))
+        gpus.append(GpuSample(uuid=device.uuid, memory_used=used, memory_unmanaged=max(0, used - managed_bytes),
+                              health=health.get(device.uuid, "")))
     return Sample(gpus, dict(usage), {g: dict(p) for g, p in pids.items()})

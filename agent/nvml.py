@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import pynvml
 
+from gpumgr.agent import nvml_facts
 from gpumgr.agent.gpus import Device, GpuProcess, GpuSourceError, NvmlUnavailable
+from gpumgr.wire import defaults
 
 NVML_COMPUTE_QUERIES = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetComputeRunningProcesses_v2")
 NVML_MPS_QUERIES = ("nvmlDeviceGetMPSComputeRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses_v2")
@@ -32,11 +36,14 @@ class NvmlSource:
         except self._nvml.NVMLError as exc:
             raise NvmlUnavailable(f"no NVIDIA driver answers through NVML ({exc}); use --gpus sim:SPEC") from exc
         self._open = True
+        self._health: nvml_facts.Health | None = None
         try:
             self._handles, self._devices = self._discover()
+            self._health = nvml_facts.Health(self._nvml, self._handles)
         except BaseException:
             self.close()
             raise
+        self._checked_at, self._checked = -defaults.GPU_HEALTH_INTERVAL, {d.uuid: "" for d in self._devices}
 
     def devices(self) -> list[Device]:
         """The GPUs NVML reported when the source was opened."""
@@ -72,10 +79,21 @@ class NvmlSource:
         """Processes of every GPU (the expensive per-process queries)."""
         return {d.uuid: self.processes(d.uuid) for d in self._devices}
 
+    def health(self) -> dict[str, str]:
+        """Why each GPU is unhealthy (see :mod:`gpumgr.agent.nvml_facts`); asked of NVML once a health interval."""
+        now = time.monotonic()
+        if self._health is not None and now - self._checked_at >= defaults.GPU_HEALTH_INTERVAL:
+            self._checked_at = now
+            with self._guard("a health check"):
+                self._checked = self._health.check()
+        return dict(self._checked)
+
     def close(self) -> None:
         """Shut NVML down once; later calls do nothing."""
         if self._open:
             self._open = False
+            if self._health is not None:
+                self._health.close()
             with contextlib.suppress(self._nvml.NVMLError):
                 self._nvml.nvmlShutdown()
 
@@ -86,12 +104,15 @@ class NvmlSource:
                 raise NvmlUnavailable("the NVIDIA driver answers but reports no GPU; use --gpus sim:SPEC")
             handles = [self._nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
             devices = [self._describe(i, handle) for i, handle in enumerate(handles)]
+            joined = nvml_facts.links(self._nvml, handles, [d.uuid for d in devices])
+        devices = [replace(d, links=tuple(sorted(j.items()))) for d, j in zip(devices, joined, strict=True)]
         return {d.uuid: h for d, h in zip(devices, handles, strict=True)}, devices
 
     def _describe(self, index: int, handle: Any) -> Device:
         uuid = _text(self._nvml.nvmlDeviceGetUUID(handle))
         name = _text(self._nvml.nvmlDeviceGetName(handle))
-        return Device(uuid, index, name, int(self._nvml.nvmlDeviceGetMemoryInfo(handle).total))
+        return Device(uuid, index, name, int(self._nvml.nvmlDeviceGetMemoryInfo(handle).total),
+                      nvml_facts.compute_capability(self._nvml, handle))
 
     def _query(self, names: tuple[str, ...], handle: Any, uuid: str) -> list[Any]:
         """Call the newest of ``names`` this driver has; older drivers lack the newer entry points."""

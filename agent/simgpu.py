@@ -15,11 +15,12 @@ import stat
 import threading
 import time
 import uuid as uuidlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpumgr.agent import procmap
 from gpumgr.agent.gpus import SIM_PREFIX, Device, GpuProcess
 from gpumgr.wire import defaults
+from gpumgr.wire.constraints import version
 from gpumgr.wire.names import Env
 from gpumgr.wire.units import parse_bytes
 
@@ -28,6 +29,12 @@ SIM_DEFAULT_NAME = "Simulated GPU"
 SIM_UUID_NAMESPACE = uuidlib.UUID("24337672-0429-437a-999e-b20b898986ec")
 #: A guard against typos such as ``100000x8GiB``, not a limit of the simulator.
 SIM_ITEM = re.compile(r"(\d+)\s*[xX]\s*(.+)")
+
+#: Topology options of a spec, best link first: ``(link, option)``.
+SIM_LINK_OPTIONS = (("nvlink", "nvlink"), ("pcie_switch", "switch"), ("socket", "socket"))
+SIM_OPTIONS = frozenset({"nvlink", "switch", "socket", "health"})
+#: Why a GPU listed in the health file without a reason is unhealthy.
+SIM_HEALTH_REASON = "marked unhealthy in the simulation's health file"
 
 SIM_USAGE_ENV = Env.SIM_USAGE_FILE
 NVIDIA_VISIBLE_ENV = Env.NVIDIA_VISIBLE_DEVICES
@@ -47,25 +54,65 @@ REIDENTIFY_SECONDS = defaults.SIM_REIDENTIFY
 
 
 def parse_sim_spec(spec: str, seed: str) -> list[Device]:
-    """Return the simulated GPUs described by ``spec``, e.g. ``2x24GiB`` or ``1x8GiB,4x80GiB:H100``.
+    """Return the simulated GPUs described by ``spec``, e.g. ``2x24GiB`` or ``1x8GiB,4x80GiB:H100@9.0;nvlink=4``.
 
-    Items are ``COUNTxSIZE[:NAME]`` separated by commas (a leading ``sim:`` is allowed); indexes
-    count up from 0 across items. Uuids depend only on ``seed`` and the index, so an agent keeps
-    them across restarts and agents with different seeds never share one. Raises ``ValueError``.
+    Items are ``COUNTxSIZE[:NAME][@CC]`` separated by commas (a leading ``sim:`` is allowed); indexes
+    count up from 0 across items. Options follow, each after a ``;``: ``nvlink=N``, ``switch=N`` and
+    ``socket=N`` join consecutive blocks of ``N`` GPUs by NVLink, under one PCIe switch, on one CPU
+    socket (any of them gives the node a topology: GPUs in no common block are joined across sockets);
+    ``health=PATH`` names the health file (see :meth:`SimSource.health`). Uuids depend only on
+    ``seed`` and the index, so an agent keeps them across restarts and agents with different seeds
+    never share one. Raises ``ValueError``.
     """
-    body = spec.strip()
-    if body.lower().startswith(SIM_PREFIX):
-        body = body[len(SIM_PREFIX):]
+    body, options = _split_options(spec)
     if not body.strip():
         raise ValueError("the simulated GPU spec is empty; write e.g. 'sim:2x24GiB'")
     devices: list[Device] = []
     for item in body.split(","):
-        count, size, name = _parse_sim_item(item)
+        count, size, name, capability = _parse_sim_item(item)
         if len(devices) + count > defaults.MAX_SIM_DEVICES:
             limit = defaults.MAX_SIM_DEVICES
             raise ValueError(f"a simulated GPU spec may name at most {limit} GPUs, {spec!r} names more")
-        devices.extend(Device(sim_uuid(seed, i), i, name, size) for i in range(len(devices), len(devices) + count))
+        devices.extend(Device(sim_uuid(seed, i), i, name, size, capability)
+                       for i in range(len(devices), len(devices) + count))
+    blocks = {link: int(options[key]) for link, key in SIM_LINK_OPTIONS if key in options}
+    if blocks:
+        if len(devices) > defaults.MAX_TOPOLOGY_GPUS:
+            raise ValueError(f"a simulated topology may join at most {defaults.MAX_TOPOLOGY_GPUS} GPUs")
+        devices = [replace(d, links=tuple((o.uuid, _sim_link(d.index, o.index, blocks)) for o in devices if o is not d))
+                   for d in devices]
     return devices
+
+
+def sim_health_path(spec: str) -> str | None:
+    """The health file a simulated spec names (``;health=PATH``), if any."""
+    return _split_options(spec)[1].get("health")
+
+
+def _split_options(spec: str) -> tuple[str, dict[str, str]]:
+    body = spec.strip()
+    if body.lower().startswith(SIM_PREFIX):
+        body = body[len(SIM_PREFIX):]
+    body, *rest = body.split(";")
+    options: dict[str, str] = {}
+    for option in rest:
+        key, eq, value = option.partition("=")
+        key, value = key.strip().lower(), value.strip()
+        if not eq or key not in SIM_OPTIONS or not value:
+            raise ValueError(f"cannot read option {option.strip()!r} of a GPU spec; options are "
+                             "nvlink=N, switch=N, socket=N and health=PATH")
+        if key != "health" and not (value.isascii() and value.isdigit() and int(value) >= 1):
+            raise ValueError(f"option {key} of a GPU spec takes a number of GPUs of at least 1, not {value!r}")
+        options[key] = value
+    return body, options
+
+
+def _sim_link(first: int, second: int, blocks: dict[str, int]) -> str:
+    """The best link whose block holds both indexes; ``system`` when none does."""
+    for link, size in blocks.items():
+        if first // size == second // size:
+            return link
+    return "system"
 
 
 def sim_uuid(seed: str, index: int) -> str:
@@ -73,17 +120,22 @@ def sim_uuid(seed: str, index: int) -> str:
     return "GPU-" + str(uuidlib.uuid5(SIM_UUID_NAMESPACE, f"{seed}/{index}"))
 
 
-def _parse_sim_item(item: str) -> tuple[int, int, str]:
+def _parse_sim_item(item: str) -> tuple[int, int, str, str]:
     head, colon, name = item.partition(":")
     name = name.strip() if colon else SIM_DEFAULT_NAME
+    name, at, capability = name.rpartition("@") if "@" in name else (name, "", "")
+    name = name.strip() or (SIM_DEFAULT_NAME if at else "")
     match = SIM_ITEM.fullmatch(head.strip())
     if match is None or not name:
-        raise ValueError(f"cannot read {item.strip()!r} in a GPU spec; write COUNTxSIZE[:NAME], e.g. '4x80GiB:H100'")
+        raise ValueError(f"cannot read {item.strip()!r} in a GPU spec; write COUNTxSIZE[:NAME][@CC], "
+                         "e.g. '4x80GiB:H100@9.0'")
+    if at and version(capability) is None:
+        raise ValueError(f"bad compute capability in {item.strip()!r}: write it like 8.0 or 9.0")
     count = int(match[1])
     if count < 1:
         raise ValueError(f"{item.strip()!r} asks for no GPU; the count must be at least 1")
     try:
-        return count, parse_bytes(match[2].strip()), name
+        return count, parse_bytes(match[2].strip()), name, capability.strip()
     except ValueError as exc:
         raise ValueError(f"bad GPU size in {item.strip()!r}: {exc}") from exc
 
@@ -128,7 +180,9 @@ class SimSource:
 
     kind = "sim"
 
-    def __init__(self, devices: list[Device], proc: str | None = None) -> None:
+    def __init__(self, devices: list[Device], proc: str | None = None, health_file: str | None = None) -> None:
+        self._health_file = health_file
+        self._health_seen: tuple[tuple[int, int], dict[str, str]] | None = None
         self._devices = sorted(devices, key=lambda d: d.index)
         self._uuids = frozenset(d.uuid for d in devices)
         self._by_name = {d.uuid: d.uuid for d in devices} | {str(d.index): d.uuid for d in devices}
@@ -174,6 +228,35 @@ class SimSource:
             usage = self._read_usage()
         return {d.uuid: [GpuProcess(pid, shares[d.uuid]) for pid, shares in usage.items() if shares.get(d.uuid)]
                 for d in self._devices}
+
+    def health(self) -> dict[str, str]:
+        """Why each GPU is unhealthy, from the spec's health file: ``INDEX-or-UUID [REASON]`` a line.
+
+        A GPU the file does not list (or no file) is healthy; ``#`` starts a comment. The file is read
+        again only when its size or modification time changed.
+        """
+        healthy = {d.uuid: "" for d in self._devices}
+        if self._health_file is None:
+            return healthy
+        try:
+            info = os.stat(self._health_file)
+            key = (info.st_mtime_ns, info.st_size)
+            if self._health_seen is None or self._health_seen[0] != key:
+                with open(self._health_file, encoding="utf-8", errors="replace") as handle:
+                    self._health_seen = (key, self._read_health(handle.read(defaults.MAX_USAGE_FILE_BYTES)))
+        except OSError:  # no file: every GPU is healthy
+            self._health_seen = None
+            return healthy
+        return healthy | self._health_seen[1]
+
+    def _read_health(self, text: str) -> dict[str, str]:
+        marked = {}
+        for line in text.splitlines():
+            name, _, reason = line.split("#", 1)[0].strip().partition(" ")
+            uuid = self._by_name.get(name)
+            if uuid is not None:
+                marked[uuid] = reason.strip()[:256] or SIM_HEALTH_REASON
+        return marked
 
     def _check(self, uuid: str) -> None:
         if uuid not in self._uuids:

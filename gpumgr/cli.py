@@ -115,6 +115,8 @@ def _agent_flags(parser: argparse.ArgumentParser, config_flag: str, with_endpoin
     parser.add_argument("--node", help="node name (default: the host name)")
     parser.add_argument("--gpus", help="auto | nvml | sim:SPEC, e.g. sim:2x24GiB or sim:1x8GiB,1x24GiB")
     parser.add_argument("--runtime", choices=["auto", "docker", "process"], help="where containers run")
+    parser.add_argument("--label", dest="labels", action="append", metavar="KEY=VALUE",  # issue 23
+                        help="a label of this node (repeatable), for node.labels.KEY constraints")  # issue 23
 
 
 def manager_settings(args: argparse.Namespace) -> ManagerSettings:
@@ -130,7 +132,18 @@ def agent_settings(args: argparse.Namespace, manager: str | None = None) -> Agen
     return load_settings(AgentSettings, _existing(args.agent_config), manager=manager or getattr(args, "manager", None),
                          node=args.node, gpus=args.gpus, runtime=args.runtime,
                          log_level=getattr(args, "log_level", None), join_token=getattr(args, "join_token", None),
-                         state_dir=getattr(args, "state_dir", None))
+                         state_dir=getattr(args, "state_dir", None),
+                         labels=label_flags(getattr(args, "labels", None)))  # issue 23
+
+
+def label_flags(given: list[str] | None) -> dict[str, str] | None:
+    """``--label k=v`` flags as a dict (None: none given, the YAML's labels stand)."""
+    if not given:
+        return None
+    bad = [item for item in given if not item.partition("=")[0] or "=" not in item]
+    if bad:
+        raise ValueError(f"--label takes KEY=VALUE, not {bad[0]!r}")
+    return dict(item.split("=", 1) for item in given)  # issue 23
 
 
 def run_manager_command(args: argparse.Namespace) -> int:
@@ -383,7 +396,8 @@ def build_agent(settings: AgentSettings) -> Any:
     hook = settings.hook_socket if runtime.kind == "docker" else None
     agent = Agent(settings.node, settings.manager, source, runtime, identity,
                   heartbeat_interval=settings.heartbeat_interval, enforcement=settings.enforcement(),
-                  hook_socket=hook or None, join_timeout=settings.join_timeout)
+                  hook_socket=hook or None, join_timeout=settings.join_timeout,
+                  labels=settings.labels)  # issue 23
     holder.append(agent)
     return agent
 

@@ -83,6 +83,8 @@ class Container:
     preempted_for: str | None
     operation: str | None
     detail: dict[str, Any]
+    constraints: list[str]  # issue 23
+    topology: str | None  # issue 23: the weakest link joining its GPUs
     raw: dict[str, Any] = field(repr=False, compare=False)
     _collection: ContainerCollection | None = field(default=None, repr=False, compare=False)
 
@@ -101,6 +103,7 @@ class Container:
             queue=QueuePlace.from_json(queue) if queue else None, queued_at=data.get("queued_at"),
             confirm_by=data.get("confirm_by"), preempted_for=data.get("preempted_for"),
             operation=data.get("operation"), detail=dict(data.get("detail") or {}),
+            constraints=list(data.get("constraints") or []), topology=data.get("topology"),  # issue 23
             raw=data, _collection=collection)
 
     def _through(self) -> ContainerCollection:
@@ -147,6 +150,10 @@ class Gpu:
     memory_headroom: int
     memory_free: int
     containers: list[str]
+    compute_capability: str | None  # issue 23
+    healthy: bool  # issue 23: false: it takes no new grants, and health says why
+    health: str | None  # issue 23
+    topology: dict[str, int] | None  # issue 23: its NVLink island, PCIe switch and socket
     raw: dict[str, Any] = field(repr=False, compare=False)
 
     @classmethod
@@ -154,7 +161,9 @@ class Gpu:
         return cls(uuid=data["uuid"], index=data["index"], name=data["name"], memory_total=data["memory_total"],
                    memory_used=data["memory_used"], memory_reserved=data["memory_reserved"],
                    memory_unmanaged=data["memory_unmanaged"], memory_headroom=data.get("memory_headroom", 0),
-                   memory_free=data["memory_free"], containers=list(data.get("containers") or []), raw=data)
+                   memory_free=data["memory_free"], containers=list(data.get("containers") or []),
+                   compute_capability=data.get("compute_capability"), healthy=data.get("healthy", True),
+                   health=data.get("health"), topology=data.get("topology"), raw=data)  # issue 23
 
 
 @dataclass(frozen=True)
@@ -166,12 +175,14 @@ class Node:
     last_seen: float
     runtime: str
     gpus: list[Gpu]
+    labels: dict[str, str]  # issue 23
     raw: dict[str, Any] = field(repr=False, compare=False)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Node:
         return cls(name=data["name"], state=data["state"], last_seen=data["last_seen"], runtime=data["runtime"],
-                   gpus=[Gpu.from_json(g) for g in data["gpus"]], raw=data)
+                   gpus=[Gpu.from_json(g) for g in data["gpus"]], labels=dict(data.get("labels") or {}),
+                   raw=data)  # issue 23
 
 
 @dataclass(frozen=True)

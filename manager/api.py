@@ -29,6 +29,7 @@ from gpumgr.manager.records import Container, PlacementSpec
 from gpumgr.manager.service import Manager
 from gpumgr.manager.tenants import OPERATOR, TENANT_NAME, Principal
 from gpumgr.wire import defaults, protocol
+from gpumgr.wire.constraints import MAX_CONSTRAINT_CHARS, MAX_CONSTRAINTS, parse_all
 from gpumgr.wire.errors import Forbidden, InvalidRequest, ProtocolError
 from gpumgr.wire.names import LABEL_PREFIX, RESERVED_ENV, Label, State
 from gpumgr.wire.runspec import RUN_FIELDS, RunSpec
@@ -64,6 +65,11 @@ def _memory(value: Any) -> int:
         return parse_bytes(value)
     except ValueError as exc:
         raise ValueError(str(exc)) from None
+
+
+def _constraints(value: list[str]) -> list[str]:
+    parse_all(value)  # a ValueError names the constraint that cannot be read: a 400
+    return value
 
 
 def _command(value: Any) -> Any:
@@ -141,6 +147,11 @@ class CreateContainer(RunSpec):
     labels: dict[WireStr, WireStr] = Field(default_factory=dict, max_length=MAX_ITEMS)
     node: StrictStr | None = Field(None, min_length=1, max_length=MAX_NODE_NAME)
     placement: Literal["spread", "binpack"] | None = None
+    constraints: Annotated[list[StrictStr], AfterValidator(_constraints)] = Field(
+        default_factory=list, max_length=MAX_CONSTRAINTS, description="where it may run, in Swarm's syntax: "
+        "node.name, node.labels.KEY, gpu.model (a glob), gpu.uuid, gpu.index, gpu.memory, gpu.compute_capability "
+        "with ==, != (and >=, <= for numbers and sizes), e.g. 'gpu.model==*H100*', 'gpu.memory>=40GiB'",
+        json_schema_extra={"items": {"type": "string", "maxLength": MAX_CONSTRAINT_CHARS}})
     on_overrun: Literal["kill", "stop", "report"] | None = None
     tenant: StrictStr | None = Field(None, pattern=TENANT_NAME.pattern, description="the operator only: act for "
                                      "this tenant")
@@ -197,7 +208,7 @@ def create_container() -> tuple[Response, int]:
         memory=body.gpu_memory, count=body.gpus, placement=body.placement or settings.placement, image=body.image,
         command=body.command, name=body.name, env=body.env, labels=body.labels, node=body.node,
         on_overrun=body.on_overrun or settings.on_overrun, priority=priority, preemptible=body.preemptible,
-        run=run.given(),
+        run=run.given(), constraints=body.constraints,
     )
     record, status = manager().create(spec, queue=body.queue, queue_timeout=body.queue_timeout, tenant=tenant)
     return jsonify(record), status

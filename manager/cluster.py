@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpumgr.manager.clock import SYSTEM, Clock
-from gpumgr.manager.dispatch import Dispatch
+from gpumgr.manager.dispatch import Dispatch, request_for, take_slots
 from gpumgr.manager.events import EventLog
 from gpumgr.manager.ledger import Ledger
 from gpumgr.manager.lifecycle import ENDED, Lifecycle
@@ -23,7 +23,7 @@ from gpumgr.manager.quotas import Quotas
 from gpumgr.manager.reconcile import Reconciler
 from gpumgr.manager.records import Command, Container, Op, OpKind, PlacementSpec
 from gpumgr.manager.resize import Resizer
-from gpumgr.manager.scheduler import Placement, Request, place
+from gpumgr.manager.scheduler import place
 from gpumgr.manager.tenants import Tenant, TenantBook
 from gpumgr.manager.views import MapReads
 from gpumgr.wire import defaults, protocol
@@ -123,11 +123,12 @@ class Cluster(MapReads):
 
     # --- nodes ---------------------------------------------------------------------------------
     def register(self, name: str, routing_id: bytes, runtime: str, gpus: list[GpuInfo],
-                 containers: list[ContainerReport], *, key: str = "",
-                 instance: str = "") -> tuple[list[str], list[Command], bool]:
+                 containers: list[ContainerReport], *, key: str = "", instance: str = "",
+                 labels: dict[str, str] | None = None) -> tuple[list[str], list[Command], bool]:
         """A node registers: ``(orphan grants to remove there, commands, whether its agent restarted)``."""
         with self.lock:
-            return self.reconciler.register(name, routing_id, runtime, gpus, containers, key=key, instance=instance)
+            return self.reconciler.register(name, routing_id, runtime, gpus, containers, key=key, instance=instance,
+                                            labels=labels)
 
     def heartbeat(self, name: str, routing_id: bytes, samples: list[GpuSample],
                   containers: list[ContainerStatus]) -> tuple[list[str], list[Command]] | None:
@@ -196,15 +197,21 @@ class Cluster(MapReads):
     def _submit(self, spec: PlacementSpec, queue: bool, queue_timeout: float | None,
                 tenant: Tenant | None) -> Container:
         self.quotas.check(tenant, spec.memory * spec.count, 1)
+        request = request_for(spec, spec.memory)  # an InvalidRequest here leaves nothing behind
         if not queue and not len(self.queue):  # the common case: nothing waits, place as always
             try:
-                slots = place(self.ledger.index, Request(spec.memory, spec.count, spec.node,
-                                                         Placement(spec.placement)))
+                slots = place(self.ledger.index, request)
             except NoFit:
                 self.dispatcher.check_could_fit(spec)  # never_fits, rather than "no room now", when it never will
                 raise
+            except NoAgents:
+                if any(n.ready and any(g.health for g in n.gpus) for n in self.ledger.nodes.values()):
+                    # ready nodes, whose every GPU is unhealthy
+                    raise NoFit("no GPU takes grants now: every GPU of the ready nodes is unhealthy "
+                                "(GET /v1/nodes says why)") from None
+                raise
             record = self._new_record(spec, tenant)
-            record.node, record.gpus = slots[0].node, [s.uuid for s in slots]
+            take_slots(record, slots)
             self.life.admit(record)
             self.life.event(EventType.PLACED, f"{format_bytes(spec.memory)} on {', '.join(record.gpus)}", record)
             return record

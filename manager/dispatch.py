@@ -16,12 +16,36 @@ from typing import Any
 
 from gpumgr.manager.lifecycle import Lifecycle
 from gpumgr.manager.records import Container, PlacementSpec
-from gpumgr.manager.scheduler import Placement, Request, place
-from gpumgr.wire.errors import GpumgrError, NoAgents, NoFit
+from gpumgr.manager.scheduler import GpuSlot, Placement, Request, link_of, place
+from gpumgr.wire.constraints import NO_CONSTRAINTS, Constraints, compiled
+from gpumgr.wire.errors import GpumgrError, InvalidRequest, NoAgents, NoFit
 from gpumgr.wire.names import EventType, State
 from gpumgr.wire.units import format_bytes
 
 log = logging.getLogger(__name__)
+
+
+def request_for(spec: PlacementSpec, memory: int) -> Request:
+    """What the scheduler is asked for ``spec`` at ``memory`` bytes per GPU."""
+    if spec.constraints:
+        return Request(memory, spec.count, spec.node, Placement(spec.placement), constraints_of(spec))
+    return Request(memory, spec.count, spec.node, Placement(spec.placement))  # as bench/scheduler.py's older ones take
+
+
+def constraints_of(spec: PlacementSpec) -> Constraints:
+    """``spec``'s constraints, compiled; InvalidRequest for one that cannot be read.
+
+    They were validated at the edge already; a node's hook request or a journal line is checked here too.
+    """
+    try:
+        return compiled(tuple(spec.constraints)) if spec.constraints else NO_CONSTRAINTS
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest(f"constraints: {exc}") from None
+
+
+def take_slots(record: Container, slots: list[GpuSlot]) -> None:
+    """Assign the GPUs the scheduler chose to ``record``, with the link that joins them (shown in its record)."""
+    record.node, record.gpus, record.topology = slots[0].node, [s.uuid for s in slots], link_of(slots)
 
 
 class Dispatch:
@@ -41,21 +65,21 @@ class Dispatch:
         while position < len(queue):
             record = records[queue.at(position)]
             spec = record.spec
+            request = request_for(spec, record.gpu_memory)
             if (not self.life.quotas.within_live(record)
                     or (spec.node is not None and spec.node not in self.ledger.index.by_node)
-                    or self.ledger.capacity(spec.count, spec.node) < record.gpu_memory):
+                    or self.ledger.capacity(spec.count, spec.node, request.constraints) < record.gpu_memory):
                 position += 1
                 continue
             try:
-                slots = place(self.ledger.index, Request(record.gpu_memory, spec.count, spec.node,
-                                                         Placement(spec.placement)))
+                slots = place(self.ledger.index, request)
             except NoFit:
                 if record.id != own or own_waits:  # only a request that waits is worth stopping anything for
                     self._plan_preemption(record)
                 return placed
             except (NoAgents, GpumgrError):
                 return placed
-            record.node, record.gpus = slots[0].node, [s.uuid for s in slots]
+            take_slots(record, slots)
             self.life.move(record, State.CREATING)
             self.making_room.pop(record.id, None)
             waited = self.life.clock.monotonic() - (record.queued_mono or 0.0)
@@ -85,10 +109,12 @@ class Dispatch:
         memory = spec.memory if memory is None else memory
         if not self.ledger.nodes or (spec.node is not None and spec.node not in self.ledger.nodes):
             return  # nothing known yet: a node may join
-        best = self.ledger.capacity(spec.count, spec.node)
+        constraints = constraints_of(spec)
+        best = self.ledger.capacity(spec.count, spec.node, constraints)
         if best < memory:
             where = f"node {spec.node}" if spec.node else "any node"
-            raise NoFit(f"no GPU could ever hold this: {format_bytes(memory)} on {spec.count} GPU(s) of one "
+            allowed = f" that {', '.join(constraints.texts)} allow" if constraints else ""
+            raise NoFit(f"no GPU could ever hold this: {format_bytes(memory)} on {spec.count} GPU(s){allowed} of one "
                         f"node, and the largest {where} has is {format_bytes(best)} each; nothing was queued",
                         code="never_fits")
 
@@ -108,12 +134,13 @@ class Dispatch:
             return
         spec = head.spec
         nodes = [spec.node] if spec.node is not None else list(self.ledger.index.by_node)
+        allowed = constraints_of(spec).allows if spec.constraints else None
         best: tuple[int, list[Container]] | None = None
         for name in nodes:
             options: list[tuple[int, list[Container]]] = []
             for gpu in self.ledger.node_gpus(name):
-                if gpu not in self.ledger.index:
-                    continue
+                if gpu not in self.ledger.index or (allowed is not None and not allowed(gpu)):
+                    continue  # not schedulable, or not one it may use: nothing there is stopped for it
                 free = gpu.free
                 if free >= head.gpu_memory:
                     options.append((0, []))
@@ -160,6 +187,7 @@ class Dispatch:
         for entry in entries:
             try:
                 spec = PlacementSpec(**entry["spec"])
+                request_for(spec, spec.memory)  # its constraints must read as they did when it was queued
                 expires = entry.get("expires_at")
                 record = Container(
                     id=str(entry["id"]), name=str(entry["name"]), node="", gpus=[], gpu_memory=spec.memory,
@@ -169,7 +197,7 @@ class Dispatch:
                     queued_mono=float(entry["queued_at"]) - wall, queue_seq=int(entry.get("seq", 0)),
                     expires_mono=None if expires is None else float(expires) - wall,
                 )
-            except (KeyError, TypeError, ValueError) as exc:
+            except (KeyError, TypeError, ValueError, InvalidRequest) as exc:
                 log.warning("queue journal entry skipped: %s", exc)
                 continue
             if record.id in self.ledger.records:

@@ -141,7 +141,7 @@ class Inbound:
         try:
             orphans, commands, restarted = self.cluster.register(
                 message.node, peer.routing_id, message.runtime, message.gpus, message.containers, key=peer.key,
-                instance=message.instance)
+                instance=message.instance, labels=message.labels)  # issue 23
         except GpumgrError as exc:
             log.warning("refused the registration of node %s: %s", message.node, exc.message)
             self.link.send(peer.routing_id, protocol.Refused(code=exc.code, message=exc.message), reply_to=envelope.id)
@@ -199,7 +199,7 @@ class Inbound:
                 image=request.image or None, command=[], name=request.name or None, labels=request.labels,
                 node=request.node, on_overrun=request.on_overrun or settings.on_overrun,
                 container_id=request.container_id, hook=True, priority=request.priority,
-                preemptible=request.preemptible,
+                preemptible=request.preemptible, constraints=list(request.constraints),  # issue 23
             )
             try:
                 record, _ = self.cluster.submit(spec, queue=request.queue, queue_timeout=defaults.HOOK_QUEUE_TIMEOUT

@@ -13,13 +13,17 @@ import logging
 import threading
 from collections import deque
 
+from gpumgr.manager import topology
 from gpumgr.manager.records import Container, Gpu, Node, OpKind
 from gpumgr.manager.scheduler import FreeIndex
 from gpumgr.wire import defaults
+from gpumgr.wire.constraints import NO_CONSTRAINTS, Constraints
 from gpumgr.wire.names import LIVE, State
 from gpumgr.wire.protocol import GpuInfo
 
 log = logging.getLogger(__name__)
+#: Capacities remembered (per GPU count, node and constraints) before the cache starts again.
+CAPACITY_CACHED = 4096
 
 
 class Wake(threading.Event):
@@ -47,7 +51,7 @@ class Ledger:
         self._finished: deque[str] = deque()
         #: live preemptible records: preemption is only planned while there are some
         self.preemptible: set[str] = set()
-        self._capacity: dict[tuple[int, str | None], int] = {}
+        self._capacity: dict[tuple[int, str | None, tuple[str, ...]], int] = {}
         #: GPUs a node re-registered smaller than the grants on them (the hardware changed under running
         #: containers): their overbooking is the node's truth, nothing more is granted there until it fits
         self.shrunk: set[str] = set()
@@ -105,6 +109,7 @@ class Ledger:
             gpu = Gpu(info.uuid, node, info.index, info.memory_total, headroom=self.headroom, name=info.name)
             self.gpus[info.uuid] = gpu
         gpu.index, gpu.total, gpu.name = info.index, info.memory_total, info.name
+        gpu.compute_capability, gpu.links, gpu.health = info.compute_capability, dict(info.links), info.health
         if gpu.reserved > gpu.total - gpu.headroom:
             if gpu.uuid not in self.shrunk:
                 log.warning("GPU %s of node %s now reports %d bytes, less than the %d its live grants hold",
@@ -115,8 +120,14 @@ class Ledger:
         return gpu
 
     def set_node(self, node: Node) -> None:
-        """Put ``node`` (and its GPUs) on the map, replacing an older record of the same name."""
+        """Put ``node`` (and its GPUs) on the map, replacing an older record of the same name.
+
+        Its GPUs share its labels, and get their topology groups from the links its agent reported.
+        """
         self.nodes[node.name] = node
+        for gpu in node.gpus:
+            gpu.labels = node.labels
+        topology.assign_groups(node.gpus)
         self._capacity.clear()
         self.version += 1
 
@@ -127,10 +138,27 @@ class Ledger:
         if ready:
             self.wake.set()
         for gpu in node.gpus:
-            if ready and gpu not in self.index:
+            if ready and gpu not in self.index and not gpu.health:
                 self.index.add(gpu)
             elif not ready:
                 self.index.discard(gpu)
+
+    def set_health(self, gpu: Gpu, health: str) -> bool:
+        """Record why ``gpu`` is unhealthy ("" : healthy); an unhealthy GPU leaves the free index. Whether it changed.
+
+        Its grants stay: the containers on it are left alone, only new grants go elsewhere.
+        """
+        if health == gpu.health:
+            return False
+        self.version += 1
+        gpu.health = health
+        node = self.nodes.get(gpu.node)
+        if health:
+            self.index.discard(gpu)
+        elif node is not None and node.ready and gpu not in self.index and gpu in node.gpus:
+            self.index.add(gpu)
+            self.wake.set()
+        return True
 
     def drop_node(self, name: str) -> None:
         """Take node ``name`` and its GPUs off the map (its records must have ended first)."""
@@ -148,22 +176,26 @@ class Ledger:
         node = self.nodes.get(name)
         return node.gpus if node is not None else []
 
-    def capacity(self, count: int, node: str | None = None) -> int:
+    def capacity(self, count: int, node: str | None = None, constraints: Constraints = NO_CONSTRAINTS) -> int:
         """The most bytes per GPU that ``count`` GPUs of one node (``node``, or any) could ever grant, empty.
 
-        What the map *knows*: a request bigger than this waits for a node that does not exist yet.
-        Cached until a node joins or leaves the map (not on every grant).
+        What the map *knows*: a request bigger than this waits for a node that does not exist yet. Only
+        GPUs ``constraints`` allow count; an unhealthy GPU counts (it may recover). Cached until a node
+        joins or leaves the map (not on every grant).
         """
-        key = (count, node)
+        key = (count, node, constraints.texts)
         cached = self._capacity.get(key)
         if cached is None:
             nodes = [self.nodes[node]] if node is not None and node in self.nodes else \
                 ([] if node is not None else list(self.nodes.values()))
             cached = 0
+            allows = constraints.allows if constraints else None
             for each in nodes:
-                sizes = sorted((g.total - g.headroom for g in each.gpus), reverse=True)
+                sizes = sorted((g.total - g.headroom for g in each.gpus if allows is None or allows(g)), reverse=True)
                 if len(sizes) >= count:
                     cached = max(cached, sizes[count - 1])
+            if len(self._capacity) >= CAPACITY_CACHED:  # many distinct constraints: start again
+                self._capacity.clear()
             self._capacity[key] = cached
         return cached
 

@@ -52,6 +52,10 @@ class MapCollector(Collector):
             reserved.add_metric([node, uuid], r)
             unmanaged.add_metric([node, uuid], m)
             free.add_metric([node, uuid], f)
+        healthy = GaugeMetricFamily("gpumgr_gpu_healthy", "1 while the GPU takes grants, 0 while its node reports it "
+                                    "unhealthy (a fatal Xid, retired pages, ECC errors, heat)", labels=gpu_labels)
+        for node, uuid, health in snap.health:
+            healthy.add_metric([node, uuid], 0.0 if health else 1.0)
         container_labels = ["node", "gpu", "container", "name", "tenant"]
         grant = GaugeMetricFamily("gpumgr_container_memory_grant_bytes", "GPU memory granted to a container on "
                                   "one GPU", labels=container_labels)
@@ -76,7 +80,7 @@ class MapCollector(Collector):
                                   "operator's)", labels=["tenant"])
         for tenant, count in sorted(snap.queued.items()):
             queue.add_metric([tenant], count)
-        yield from (total, used, reserved, unmanaged, free, grant, cused, up, kills, placements, queue)
+        yield from (total, used, reserved, unmanaged, free, healthy, grant, cused, up, kills, placements, queue)
 
 
 class Metrics:

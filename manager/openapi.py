@@ -87,6 +87,9 @@ class ContainerRecord(_Shape):
     command: list[str]
     labels: dict[str, str]
     on_overrun: str
+    constraints: list[str] = Field(description="where it may run, as asked (Swarm's syntax)")
+    topology: Literal["nvlink", "pcie_switch", "socket", "system"] | None = Field(
+        description="the weakest link joining its GPUs; null for one GPU, or a node that reported no topology")
     confirm_by: float | None = Field(description="while creating: when the grant is released unless its node "
                                      "confirms the container (Unix time); null otherwise")
     queued_at: float | None = Field(description="when it joined the queue (Unix time); null if it never waited")
@@ -108,6 +111,14 @@ class ContainerList(_Shape):
     containers: list[ContainerRecord]
 
 
+class GpuTopology(_Shape):
+    """Where a GPU sits in its node (``scheduler.LINKS``): each id is the lowest GPU index of its group."""
+
+    nvlink: int
+    pcie_switch: int
+    socket: int
+
+
 class GpuView(_Shape):
     """One GPU's memory split (``views.gpu_view``), in bytes."""
 
@@ -121,6 +132,11 @@ class GpuView(_Shape):
     memory_headroom: int = Field(description="kept back from grants on this GPU (the manager's --headroom)")
     memory_free: int
     containers: list[str]
+    compute_capability: str | None = Field(description="e.g. 9.0; null when its node cannot tell")
+    healthy: bool = Field(description="false: it takes no new grants (its running containers are left alone)")
+    health: str | None = Field(description="why it is unhealthy (a fatal Xid, retired pages, ECC errors, heat)")
+    topology: GpuTopology | None = Field(description="its NVLink island, PCIe switch and CPU socket: GPUs sharing "
+                                         "an id are joined at least that well; null when its node reported none")
 
 
 class NodeView(_Shape):
@@ -130,6 +146,7 @@ class NodeView(_Shape):
     state: Literal["ready", "down"]
     last_seen: float
     runtime: str
+    labels: dict[str, str] = Field(description="its agent's labels (`node.labels.KEY` constraints)")
     gpus: list[GpuView]
 
 

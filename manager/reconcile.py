@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from gpumgr.manager.lifecycle import ENDED, Lifecycle
-from gpumgr.manager.records import Command, Container, Node, OpKind, PlacementSpec
+from gpumgr.manager.records import Command, Container, Gpu, Node, OpKind, PlacementSpec
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import GpuConflict
 from gpumgr.wire.names import LIVE, REMOVING, EventType, State
@@ -36,8 +36,8 @@ class Reconciler:
 
     # --- nodes ---------------------------------------------------------------------------------
     def register(self, name: str, routing_id: bytes, runtime: str, gpus: list[GpuInfo],
-                 containers: list[ContainerReport], *, key: str = "",
-                 instance: str = "") -> tuple[list[str], list[Command], bool]:
+                 containers: list[ContainerReport], *, key: str = "", instance: str = "",
+                 labels: dict[str, str] | None = None) -> tuple[list[str], list[Command], bool]:
         """Add or refresh a node and adopt its containers: ``(orphans to remove, commands, restarted)``.
 
         Raises GpuConflict, changing nothing, if another live node holds one of the GPUs. A
@@ -51,12 +51,17 @@ class Reconciler:
         quiet = old is not None and old.ready and not restarted
         if old is not None:  # its GPUs leave the free index before their figures change
             self.ledger.set_ready(old, False)
+        was = {g.uuid: g.health for g in old.gpus} if old is not None else {}
         node = Node(name, routing_id, runtime, [self.ledger.gpu_for(name, info) for info in gpus], key=key,
-                    instance=instance, last_seen=self.clock.time(), last_seen_mono=self.clock.monotonic())
+                    instance=instance, last_seen=self.clock.time(), last_seen_mono=self.clock.monotonic(),
+                    labels=dict(labels or {}))
         self.ledger.set_node(node)
         self.ledger.set_ready(node, True)
         if not quiet:
             self.life.events.record(EventType.NODE_UP, f"node {name} is ready", node=name)
+        for gpu in node.gpus:
+            if gpu.health != was.get(gpu.uuid, ""):
+                self._health_event(gpu)
         self._extend_deadlines(name)
         if restarted:  # a new agent process: creates the old one had not finished are lost with it
             reported = {c.grant for c in containers}
@@ -85,9 +90,24 @@ class Reconciler:
                 self.ledger.index.update(gpu)
                 if gpu.free > before and len(self.life.queue):
                     self.ledger.wake.set()
+                if sample.health != gpu.health and self.ledger.set_health(gpu, sample.health):
+                    self._health_event(gpu)
         if any(s.grant not in self.ledger.records and s.state in LIVE for s in containers):
             return None  # a live grant we do not know: adopt it from the whole report
         return self._reconcile(node, containers)
+
+    def _health_event(self, gpu: Gpu) -> None:
+        """Say why ``gpu`` takes no new grants now, or that it takes them again."""
+        where = f"GPU {gpu.index} ({gpu.uuid}) of node {gpu.node}"
+        if gpu.health:
+            holders = len(gpu.holders)
+            self.life.events.record(EventType.GPU_UNHEALTHY, f"{where} is unhealthy: {gpu.health}; it takes no new "
+                                    f"grants, and the {holders} container(s) on it are left running",
+                                    node=gpu.node, gpu=gpu.uuid, health=gpu.health)
+            log.warning("%s is unhealthy: %s", where, gpu.health)
+        else:
+            self.life.events.record(EventType.GPU_HEALTHY, f"{where} is healthy again and takes grants",
+                                    node=gpu.node, gpu=gpu.uuid)
 
     def forget_node(self, name: str, reason: str = "its node was forgotten") -> bool:
         """Remove a node from the map; its live grants end as ``removed``. False if unknown."""

@@ -20,9 +20,12 @@ from gpumgr.wire.names import State
 class Gpu(GpuSlot):
     """A GPU on the map: the scheduler's slot plus what the API shows."""
 
-    name: str = ""
     used: int = 0
     holders: set[str] = field(default_factory=set)
+    #: why its node says it is unhealthy ("" while healthy): it then takes no new grant
+    health: str = ""
+    #: its links to the node's other GPUs as its agent reported them (uuid → link name)
+    links: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -40,6 +43,8 @@ class Node:
     key: str = ""
     #: the agent process's id from its registration: another one means the agent restarted
     instance: str = ""
+    #: the labels its operator gave its agent (``node.labels.KEY`` constraints read them)
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 class OpKind(StrEnum):
@@ -144,6 +149,8 @@ class Container:
     expires_mono: float | None = None
     #: when ``usage`` was last refreshed (monotonic), to integrate it over time for its tenant
     usage_at: float = 0.0
+    #: the weakest link joining its GPUs (``scheduler.LINKS``, or ``system``); None: one GPU, or no topology known
+    topology: str | None = None
 
     @property
     def count(self) -> int:
@@ -202,6 +209,8 @@ class MetricsSnapshot:
     containers: list[tuple[str, str, str, str, str, int, int]] = field(default_factory=list)
     #: (node, ready)
     nodes: list[tuple[str, bool]] = field(default_factory=list)
+    #: (node, uuid, why it is unhealthy: "" while healthy)
+    health: list[tuple[str, str, str]] = field(default_factory=list)
     overrun_kills: dict[str, int] = field(default_factory=dict)
     outcomes: dict[str, int] = field(default_factory=dict)
     #: tenant ("" for the operator) -> requests waiting
@@ -230,3 +239,5 @@ class PlacementSpec:
     preemptible: bool = False
     #: the container spec beyond the image and command (``wire.runspec.RunSpec`` fields), as asked
     run: dict[str, Any] = field(default_factory=dict)
+    #: where it may run (``wire.constraints``), as written; validated at the edge
+    constraints: list[str] = field(default_factory=list)

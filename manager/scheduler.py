@@ -15,18 +15,39 @@ one set insertion per ranking for them.
 
 Ties between nodes go to the node with the most free memory in all (spread) or the least (binpack),
 so 200 two-GPU requests on empty nodes land on 200 nodes, not four to a node.
+
+**Constraints** (:mod:`gpumgr.wire.constraints`) filter only when a request has some: a constrained
+single-GPU request walks the GPUs that fit by memory, best first, and takes the first allowed one; a
+constrained multi-GPU request walks the spread ranking (an upper bound of what the allowed GPUs of a
+node can give) until no later node can beat the best found, or, for binpack, looks at every node.
+
+**Topology**: GPUs whose agent reported their links carry ``groups``, the ids of their NVLink island,
+PCIe switch and CPU socket. On such a node a request for ``k`` ≥ 2 GPUs takes, among the GPUs that
+fit, the best-connected ``k`` (all in one NVLink island, else under one switch, else on one socket),
+and among equally connected sets the best by the placement's rule. When the first node's best set is
+not all NVLink, up to ``TOPOLOGY_LOOKAHEAD`` further nodes that fit are looked at for a better-connected
+set, so a request is not given a set across sockets while the next node has an island free.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from sortedcontainers import SortedList
 
+from gpumgr.wire.constraints import NO_CONSTRAINTS, Constraints
 from gpumgr.wire.errors import InvalidRequest, NoAgents, NoFit
 from gpumgr.wire.units import format_bytes
+
+#: How a set of GPUs is joined, best first: the weakest link between any two of them. ``groups[i]``
+#: of a slot is its group at ``LINKS[i]``; two GPUs sharing none are joined only across sockets.
+LINKS = ("nvlink", "pcie_switch", "socket")
+ACROSS = "system"
+#: How many more nodes a multi-GPU request looks at for a better-connected set than the first node gives.
+TOPOLOGY_LOOKAHEAD = 8
 
 
 class Placement(StrEnum):
@@ -47,6 +68,13 @@ class GpuSlot:
     reserved: int = 0
     unmanaged: int = 0
     headroom: int = 0
+    #: the model's name as NVML gives it
+    name: str = ""
+    compute_capability: str = ""
+    #: its node's labels (the node's own dict, shared by its GPUs)
+    labels: dict[str, str] = field(default_factory=dict)
+    #: its NVLink island, PCIe switch and CPU socket ids (see ``LINKS``); None: its node reported no topology
+    groups: tuple[int, int, int] | None = None
 
     @property
     def free(self) -> int:
@@ -62,6 +90,9 @@ class Request:
     count: int = 1
     node: str | None = None
     placement: Placement = Placement.SPREAD
+    constraints: Constraints = NO_CONSTRAINTS
+    #: choose the best-connected set on nodes that reported their topology (off: by free memory alone)
+    topology: bool = True
 
 
 @dataclass
@@ -102,13 +133,17 @@ class FreeIndex:
     def update(self, slot: GpuSlot) -> None:
         """Re-sort ``slot`` after its free memory changed."""
         old = self._keys.get(slot.uuid)
-        if old is None or old[0] == slot.free:
+        if old is None:
             return
-        self.by_free.remove((old, slot))
-        key = (slot.free, slot.uuid)
-        self._keys[slot.uuid] = key
-        self.by_free.add((key, slot))
-        self._touch(slot.node)
+        free = slot.free
+        if old[0] == free:
+            return
+        by_free = self.by_free
+        by_free.remove((old, slot))
+        key = self._keys[slot.uuid] = (free, slot.uuid)
+        by_free.add((key, slot))
+        for ranking in self._ranks.values():
+            ranking.stale.add(slot.node)
 
     def __contains__(self, slot: GpuSlot) -> bool:
         return slot.uuid in self._keys
@@ -126,6 +161,10 @@ class FreeIndex:
         if ranking.stale:
             ranking.refresh(self.by_node)
         return ranking.keys
+
+    def ranks_of(self, count: int, spread: bool) -> Ranking:
+        """The ranking itself (after :meth:`ranking` brought it up to date)."""
+        return self._ranks[count, spread]
 
     def _touch(self, node: str) -> None:
         for ranking in self._ranks.values():
@@ -151,25 +190,61 @@ class Ranking:
     of_node: dict[str, set[tuple[Any, ...]]] = field(default_factory=dict)
     #: nodes whose GPUs changed since their keys were computed
     stale: set[str] = field(default_factory=set)
+    #: binpack: the same keys by the class of their smallest free memory (``size_class``), so a lookup
+    #: skips only windows of its own class whose smallest GPU is too small, not every one below the answer
+    by_class: dict[int, SortedList] = field(default_factory=dict)
+    #: node -> its GPUs' free memories, sorted, when its keys were computed
+    frees_of: dict[str, list[int]] = field(default_factory=dict)
 
     def refresh(self, by_node: dict[str, list[GpuSlot]]) -> None:
         """Recompute the keys of every stale node."""
         for node in self.stale:
+            frees = sorted(s.free for s in by_node.get(node, ()))
+            if frees == self.frees_of.get(node):  # back as it was (a grant and its release): same keys
+                continue
+            self.frees_of[node] = frees
             before = self.of_node.pop(node, set())
-            after = self._keys_of(node, by_node.get(node, []))
+            after = self._keys_of(node, frees)
             for key in before - after:
                 self.keys.remove(key)
+                if not self.spread:
+                    self._unclass(key)
             for key in after - before:
                 self.keys.add(key)
+                if not self.spread:
+                    self.by_class.setdefault(size_class(key[2]), SortedList()).add(key)
             if after:
                 self.of_node[node] = after
         self.stale.clear()
 
-    def _keys_of(self, node: str, slots: list[GpuSlot]) -> set[tuple[Any, ...]]:
+    def lowest_fitting(self, memory: int) -> list[tuple[Any, ...]]:
+        """Binpack: per class of smallest free memory, the lowest key whose window holds ``memory``, lowest first.
+
+        The first is the lowest key of all that fits; the others are the best of their classes.
+        """
+        own, found = size_class(memory), []
+        for cls, keys in self.by_class.items():
+            if cls > own:  # every window here holds memory: its lowest key is its first
+                found.append(keys[0])
+            elif cls == own:
+                first = next((key for key in keys.irange(minimum=(self.count * memory,)) if key[2] >= memory), None)
+                if first is not None:
+                    found.append(first)
+        found.sort()
+        return found
+
+    def _unclass(self, key: tuple[Any, ...]) -> None:
+        cls = size_class(key[2])
+        keys = self.by_class[cls]
+        keys.remove(key)
+        if not keys:
+            del self.by_class[cls]
+
+    def _keys_of(self, node: str, frees: list[int]) -> set[tuple[Any, ...]]:
+        """The keys of a node whose GPUs' free memories, sorted, are ``frees``."""
         k = self.count
-        if len(slots) < k:
+        if len(frees) < k:
             return set()
-        frees = sorted(s.free for s in slots)
         whole = sum(frees)
         if self.spread:
             return {(sum(frees[-k:]), whole, node)}
@@ -179,6 +254,12 @@ class Ranking:
                 running += frees[p + k - 1] - frees[p - 1]
             windows.add((running, whole, frees[p], node))
         return windows
+
+
+def size_class(size: int) -> int:
+    """A class of sizes, monotone in ``size``: four per power of two (its leading three bits)."""
+    bits = size.bit_length()
+    return bits * 4 + ((size >> (bits - 3)) & 3) if bits >= 3 else size
 
 
 def place(index: FreeIndex, request: Request) -> list[GpuSlot]:
@@ -194,12 +275,27 @@ def place(index: FreeIndex, request: Request) -> list[GpuSlot]:
     if request.node is not None:
         return _place_on_node(index, request)
     if request.count == 1:
+        if request.constraints.items:
+            return _place_one_allowed(index, request)
         return _place_one(index, request)
-    many = _spread_many if request.placement is Placement.SPREAD else _binpack_many
-    chosen = many(index, request)
+    if request.constraints.items:
+        chosen = _many_allowed(index, request)
+    else:
+        many = _spread_many if request.placement is Placement.SPREAD else _binpack_many
+        chosen = many(index, request)
     if chosen is None:
         raise _no_fit(request, index.largest_free())
     return chosen
+
+
+def link_of(slots: list[GpuSlot]) -> str | None:
+    """The weakest link joining ``slots`` (a name of ``LINKS`` or ``ACROSS``); None for one GPU or no topology."""
+    if len(slots) < 2 or any(s.groups is None for s in slots):
+        return None
+    for level, name in enumerate(LINKS):
+        if len({s.groups[level] for s in slots if s.groups is not None}) == 1:
+            return name
+    return ACROSS
 
 
 def _place_one(index: FreeIndex, request: Request) -> list[GpuSlot]:
@@ -216,6 +312,16 @@ def _place_one(index: FreeIndex, request: Request) -> list[GpuSlot]:
     raise _no_fit(request, index.largest_free())
 
 
+def _place_one_allowed(index: FreeIndex, request: Request) -> list[GpuSlot]:
+    """The best GPU that fits and that the constraints allow: only GPUs that fit by memory are looked at."""
+    fitting = index.by_free.irange(minimum=((request.memory, ""),), reverse=request.placement is Placement.SPREAD)
+    allows = request.constraints.allows
+    for _, slot in fitting:
+        if allows(slot):
+            return [slot]
+    raise _no_fit(request, index.largest_free())
+
+
 def _place_on_node(index: FreeIndex, request: Request) -> list[GpuSlot]:
     slots = index.by_node.get(request.node or "")
     if slots is None:
@@ -223,37 +329,139 @@ def _place_on_node(index: FreeIndex, request: Request) -> list[GpuSlot]:
     chosen = _best_on_node(slots, request, request.placement is Placement.SPREAD)
     if chosen is None:
         raise _no_fit(request, max(s.free for s in slots))
-    return chosen
+    return chosen[0]
 
 
 def _spread_many(index: FreeIndex, request: Request) -> list[GpuSlot] | None:
     """The node with the largest sum of ``count`` largest free memories among those where they all fit."""
     k, memory = request.count, request.memory
     floor = k * memory  # a node whose k GPUs all fit has at least this much on them
+    best = _Best(request)
     for total, _, node in reversed(index.ranking(k, True)):
         if total < floor:
-            return None
-        chosen = _best_on_node(index.by_node[node], request, True)
-        if chosen is not None:
-            return chosen
-    return None
+            break
+        if best.offer(_best_on_node(index.by_node[node], request, True)):
+            break
+    return best.slots
 
 
 def _binpack_many(index: FreeIndex, request: Request) -> list[GpuSlot] | None:
-    """The node whose ``count`` smallest fitting GPUs have the least free memory in all."""
-    k, memory = request.count, request.memory
-    for _, _, smallest, node in index.ranking(k, False).irange(minimum=(k * memory,)):
-        if smallest >= memory:
-            return _best_on_node(index.by_node[node], request, False)
-    return None
+    """The node whose ``count`` smallest fitting GPUs have the least free memory in all.
+
+    When that node's set is not joined by NVLink, the best nodes of the other classes of smallest
+    free memory (``Ranking.lowest_fitting``), in order, are looked at for one that is.
+    """
+    index.ranking(request.count, False)
+    candidates = index.ranks_of(request.count, False).lowest_fitting(request.memory)
+    best, seen = _Best(request), set()
+    for key in candidates:
+        node = key[3]
+        if node not in seen:
+            seen.add(node)
+            if best.offer(_best_on_node(index.by_node[node], request, False)):
+                break
+    return best.slots
 
 
-def _best_on_node(slots: list[GpuSlot], request: Request, spread: bool) -> list[GpuSlot] | None:
-    fitting = [(free, s.uuid, s) for s in slots if (free := s.free) >= request.memory]
+def _many_allowed(index: FreeIndex, request: Request) -> list[GpuSlot] | None:
+    """A constrained multi-GPU request: its node among those whose allowed GPUs fit.
+
+    The best is the best-connected set, then the policy's sum. The nodes are walked in the order of
+    the unconstrained ranking, whose sums bound what a node's allowed GPUs can give (from above for
+    spread, from below for binpack), until no further node can beat the best found; a set not joined
+    by NVLink is kept only while ``TOPOLOGY_LOOKAHEAD`` further nodes offer nothing better joined.
+    """
+    spread, k = request.placement is Placement.SPREAD, request.count
+    if spread:
+        floor = k * request.memory
+        bounds: Iterable[tuple[int, str]] = ((total, node) for total, _, node in reversed(index.ranking(k, True))
+                                             if total >= floor)
+    else:
+        bounds = ((total, node) for total, _, smallest, node in index.ranking(k, False).irange(
+            minimum=(k * request.memory,)) if smallest >= request.memory)
+    best: tuple[tuple[int, int], list[GpuSlot]] | None = None
+    seen: set[str] = set()
+    after = 0  # nodes looked at since the first set was found
+    for bound, node in bounds:
+        if node in seen:  # binpack: a later window of a node already looked at
+            continue
+        seen.add(node)
+        if best is not None:
+            after += 1
+            beaten = bound <= -best[0][1] if spread else bound >= best[0][1]
+            settled = best[0][0] == 0 or best[1][0].groups is None or not request.topology
+            if beaten and (settled or after > TOPOLOGY_LOOKAHEAD):
+                break
+        option = _best_on_node(index.by_node[node], request, spread)
+        if option is not None:
+            total = sum(s.free for s in option[0])
+            key = (option[1], -total if spread else total)
+            if best is None or key < best[0]:
+                best = (key, option[0])
+    return best[1] if best is not None else None
+
+
+@dataclass
+class _Best:
+    """The best set seen over nodes in the ranking's order: the first node's, unless a node within
+    ``TOPOLOGY_LOOKAHEAD`` of it gives a better-connected set (then the first such)."""
+
+    request: Request
+    slots: list[GpuSlot] | None = None
+    level: int = len(LINKS)
+    looked: int = 0
+
+    def offer(self, option: tuple[list[GpuSlot], int] | None) -> bool:
+        """Take ``option`` if better connected than what is held; True when no further node need be looked at."""
+        if option is None:
+            return False
+        slots, level = option
+        if self.slots is None or level < self.level:
+            self.slots, self.level = slots, level
+        self.looked += 1
+        return self.level == 0 or not self.request.topology or slots[0].groups is None \
+            or self.looked > TOPOLOGY_LOOKAHEAD
+
+
+def _best_on_node(slots: list[GpuSlot], request: Request, spread: bool) -> tuple[list[GpuSlot], int] | None:
+    """The node's best ``count`` GPUs that fit (and that the constraints allow), with the link level joining them.
+
+    Level 0 is NVLink (``LINKS``); ``len(LINKS)`` means across sockets, or no topology known.
+    """
+    memory, allows = request.memory, request.constraints.allows if request.constraints.items else None
+    fitting = [(free, s.uuid, s) for s in slots if (free := s.free) >= memory and (allows is None or allows(s))]
     if len(fitting) < request.count:
         return None
+    if request.count > 1 and request.topology and slots[0].groups is not None:
+        return _best_connected(fitting, request.count, spread)
     fitting.sort(key=lambda item: item[:2], reverse=spread)
-    return [slot for _, _, slot in fitting[: request.count]]
+    return [slot for _, _, slot in fitting[: request.count]], len(LINKS)
+
+
+def _best_connected(fitting: list[tuple[int, str, GpuSlot]], count: int,
+                    spread: bool) -> tuple[list[GpuSlot], int]:
+    """Among ``fitting``, ``count`` GPUs in the tightest group that holds as many, best by the policy within."""
+    fitting.sort(key=lambda item: item[:2], reverse=spread)
+    for level in range(len(LINKS)):
+        groups: dict[int, list[tuple[int, str, GpuSlot]]] = {}
+        for item in fitting:
+            groups.setdefault(item[2].groups[level], []).append(item)  # type: ignore[index]
+        best: list[tuple[int, str, GpuSlot]] | None = None
+        for members in groups.values():
+            if len(members) >= count:
+                pick = members[:count]
+                if best is None or _better(pick, best, spread):
+                    best = pick
+        if best is not None:
+            return [slot for _, _, slot in best], level
+    return [slot for _, _, slot in fitting[:count]], len(LINKS)
+
+
+def _better(pick: list[tuple[int, str, GpuSlot]], than: list[tuple[int, str, GpuSlot]], spread: bool) -> bool:
+    mine, theirs = sum(i[0] for i in pick), sum(i[0] for i in than)
+    if mine != theirs:
+        return mine > theirs if spread else mine < theirs
+    return [i[1] for i in pick] < [i[1] for i in than]
 
 
 def _no_fit(request: Request, largest: int) -> NoFit:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gpumgr.manager.records import MetricsSnapshot
+from gpumgr.manager.scheduler import LINKS
 from gpumgr.manager.tenants import Principal, Usage
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import NoAgents, NotFound
@@ -33,7 +34,7 @@ def node_view(node: Node, shown: Callable[[str], bool] | None = None) -> dict[st
     """
     return {
         "name": node.name, "state": "ready" if node.ready else "down", "last_seen": node.last_seen,
-        "runtime": node.runtime, "gpus": [gpu_view(g, shown) for g in node.gpus],
+        "runtime": node.runtime, "labels": dict(node.labels), "gpus": [gpu_view(g, shown) for g in node.gpus],
     }
 
 
@@ -44,6 +45,9 @@ def gpu_view(gpu: Gpu, shown: Callable[[str], bool] | None = None) -> dict[str, 
         "uuid": gpu.uuid, "index": gpu.index, "name": gpu.name, "memory_total": gpu.total,
         "memory_used": gpu.used, "memory_reserved": gpu.reserved, "memory_unmanaged": gpu.unmanaged,
         "memory_headroom": gpu.headroom, "memory_free": gpu.free, "containers": holders,
+        "compute_capability": gpu.compute_capability or None, "healthy": not gpu.health, "health": gpu.health or None,
+        # its NVLink island, PCIe switch and socket (GPUs sharing an id are joined that well); None: not reported
+        "topology": None if gpu.groups is None else dict(zip(LINKS, gpu.groups, strict=True)),
     }
 
 
@@ -64,7 +68,9 @@ def container_view(record: Container, gpus: dict[str, dict[str, Any]] | None = N
         "container_id": record.container_id, "state": str(record.state), "exit_code": record.exit_code,
         "reason": record.reason, "created_at": record.created_at, "finished_at": record.finished_at,
         "image": record.image, "command": list(record.command), "labels": dict(record.labels),
-        "on_overrun": record.on_overrun,
+        "on_overrun": record.on_overrun, "constraints": list(record.spec.constraints),
+        # the weakest link between its GPUs (nvlink, pcie_switch, socket, system), None for one GPU or no topology
+        "topology": record.topology,
         # a grant not yet confirmed by its node's engine is released at this (wall-clock) time
         "confirm_by": None if confirm is None else time.time() + confirm - time.monotonic(),
         "queued_at": record.queued_at, "queue": queue, "preempted_for": record.preempted_for,
@@ -210,6 +216,7 @@ class MapReads:
                 for gpu in node.gpus:
                     snap.gpus.append((node.name, gpu.uuid, gpu.index, gpu.name, gpu.total, gpu.used, gpu.reserved,
                                       gpu.unmanaged, gpu.free))
+                    snap.health.append((node.name, gpu.uuid, gpu.health))
                     for cid in gpu.holders:
                         record = records[cid]
                         snap.containers.append((node.name, gpu.uuid, cid, record.name, record.tenant or "",

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from gpumgr.client import Client, ManagerUnreachable, Stream
+from gpumgr.plugin.placement import NOTHING, Wanted, allowed_sizes, swarm_constraints, take_constraints
 from gpumgr.wire import defaults
+from gpumgr.wire.constraints import NO_CONSTRAINTS, Constraints
 from gpumgr.wire.errors import GpumgrError
 from gpumgr.wire.names import LIVE, Env, Label
 from gpumgr.wire.units import format_bytes, parse_bytes
@@ -99,7 +101,7 @@ CONTAINER_COMMANDS = {"run": "run_container", "logs": "logs", "wait": "wait", "k
 USAGE = """Usage: docker gpu [--manager URL] COMMAND
 
 Commands:
-  service create --gpu-memory SIZE [--gpus N] [--on-overrun kill|stop|report]
+  service create --gpu-memory SIZE [--gpus N] [--on-overrun kill|stop|report] [--constraint C ...]
                  [--priority N] [--preemptible] [--queue]
                  [docker service create options] IMAGE [CMD]
   service ps SERVICE      each replica: node, GPU, grant, usage, or why it waits
@@ -110,7 +112,7 @@ Commands:
                           replica's grant, as 'service create' gives it; the rest goes to 'docker stack deploy'
   stack ps STACK          each replica: node, GPU, grant, usage, or why it waits
   stack rm|ls ...         passed to 'docker stack' unchanged
-  run --gpu-memory SIZE [--gpus N] [--node NODE] [--placement P] [--on-overrun A]
+  run --gpu-memory SIZE [--gpus N] [--node NODE] [--constraint C ...] [--placement P] [--on-overrun A]
       [--priority N] [--preemptible] [--queue [--queue-timeout S]]
       [docker run options: -d --rm --name -e --env-file -l -v --mount --tmpfs -p --network --shm-size
        --ipc --pid -w -u --entrypoint --cpus -m --ulimit --cap-add --device --privileged --stop-signal
@@ -197,21 +199,31 @@ SERVICE_OPTIONS = {"--gpu-memory": True, "--gpus": True, "--on-overrun": True, "
 
 def service_create(client: Manager, argv: list[str]) -> int:
     """Check the request against the map, then create the service with the task templates added."""
+    constraints, argv = constraints_of(argv)
     ours, passthrough = _take_options(argv, SERVICE_OPTIONS)
-    return _docker(["service", "create", *grant_args(client, ours), *passthrough])
+    return _docker(["service", "create", *grant_args(client, ours, constraints), *passthrough])
 
 
-def grant_args(client: Manager, ours: dict[str, str]) -> list[str]:
+def constraints_of(argv: list[str]) -> tuple[Wanted, list[str]]:
+    """The ``--constraint`` options of ``argv``, parsed, and the rest; a PluginError names one that cannot be read."""
+    try:
+        return take_constraints(argv)
+    except ValueError as exc:
+        raise PluginError(str(exc)) from None
+
+
+def grant_args(client: Manager, ours: dict[str, str], constraints: Wanted = NOTHING) -> list[str]:
     """``docker service create`` options that give each replica the grant ``ours`` asks for (also used by stacks).
 
     The request travels in the task's environment, which the runtime hook reads when the node creates the
     task's container, with Swarm's templates naming the task; the service's labels say it for people.
+    ``constraints``: ``node.*`` ones go to Swarm, ``gpu.*`` ones to the hook (``plugin.placement``).
     """
     if "--gpu-memory" not in ours:
         raise PluginError("--gpu-memory is required, e.g. --gpu-memory 6GiB")
     memory, count = _memory(ours["--gpu-memory"]), _count(ours.get("--gpus", "1"))
-    _check_fits_somewhere(client, memory, count)
-    extra = [f"--env={k}={v}" for k, v in TASK_TEMPLATES.items()]
+    _check_fits_somewhere(client, memory, count, constraints.gpu)
+    extra = [f"--env={k}={v}" for k, v in TASK_TEMPLATES.items()] + swarm_constraints(constraints)
     extra += [f"--env=GPUMGR_REQUEST_MEMORY={memory}", f"--env=GPUMGR_REQUEST_GPUS={count}",
               f"--label=gpumgr.gpu-memory={memory}", f"--label=gpumgr.gpus={count}"]
     if "--on-overrun" in ours:
@@ -262,15 +274,16 @@ def print_tasks(tasks: list[dict[str, Any]], records: list[dict[str, Any]]) -> N
     _print_table(rows)
 
 
-def _check_fits_somewhere(client: Manager, memory: int, count: int) -> None:
+def _check_fits_somewhere(client: Manager, memory: int, count: int, constraints: Constraints = NO_CONSTRAINTS) -> None:
     nodes = [n for n in client.call("GET", "/v1/nodes")["nodes"] if n["state"] == "ready"]
     if not nodes:
         raise PluginError("no gpumgr agent is ready; start 'gpumgr agent' on the swarm's GPU nodes")
-    best = max((sorted((g["memory_total"] for g in n["gpus"]), reverse=True)[count - 1]
-                for n in nodes if len(n["gpus"]) >= count), default=0)
+    best = max((sorted(sizes, reverse=True)[count - 1] for sizes in allowed_sizes(nodes, constraints)
+                if len(sizes) >= count), default=0)
     if best < memory:
-        raise PluginError(f"no node has {count} GPU(s) of {format_bytes(memory)}: the largest that could ever hold "
-                          f"this is {format_bytes(best)}; nothing was created")
+        which = f" that {', '.join(constraints.texts)} allow" if constraints else ""
+        raise PluginError(f"no node has {count} GPU(s){which} of {format_bytes(memory)}: the largest that could "
+                          f"ever hold this is {format_bytes(best)}; nothing was created")
 
 
 # --- containers and nodes --------------------------------------------------------------------

@@ -70,6 +70,7 @@ def parser(error: type[Exception]) -> argparse.ArgumentParser:
     add("--preemptible", action="store_true", help="may be stopped for a queued request of higher priority")
     add("--queue", action="store_true", help="wait for room instead of failing with no_fit")
     add("--queue-timeout", type=float, help="seconds to wait in the queue (with --queue)")
+    add("--constraint", action="append", default=[], help="where it may run, e.g. gpu.model==*H100* (repeatable)")
     for short, flag in (("-e", "--env"), ("-l", "--label"), ("-v", "--volume"), ("-p", "--publish"), ("", "--mount"),
                         ("", "--env-file"), ("", "--ulimit"), ("", "--cap-add"), ("", "--log-opt"),
                         ("", "--device"), ("", "--tmpfs"), ("", "--label-file")):
@@ -102,6 +103,8 @@ def build_request(args: argparse.Namespace, error: type[Exception]) -> dict[str,
               "nano_cpus": _cpus(args.cpus, error) if args.cpus else None}
     body.update({k: v for k, v in simple.items() if v is not None})
     body.update({k: True for k in ("preemptible", "queue", "privileged") if getattr(args, k)})
+    if args.constraint:
+        body["constraints"] = list(args.constraint)
     if args.rm:
         body["auto_remove"] = True
     lists = {"volumes": args.volume, "mounts": [_mount(m, error) for m in args.mount],

@@ -39,6 +39,7 @@ from gpumgr.plugin.docker_gpu import (
     _docker,
     _docker_json,
     _take_options,
+    constraints_of,  # issue 23
     grant_args,
     print_tasks,
 )
@@ -212,11 +213,12 @@ def grant_request(name: str, defaults: dict[str, Any], block: dict[str, Any]) ->
 
 def service_additions(client: Manager, name: str, argv: list[str]) -> dict[str, Any]:
     """What service ``name`` gets in the added file: ``service create``'s options for ``argv`` as compose keys."""
+    asked, argv = constraints_of(argv)  # issue 23: gpu.* ones ride to the hook, node.* ones to Swarm
     ours, rest = _take_options(argv, SERVICE_OPTIONS)
     if "--gpu-memory" not in ours:
         raise PluginError(f"service {name!r}: {EXTENSION} needs gpu_memory (here or in the top-level {EXTENSION})")
     try:
-        options = grant_args(client, ours) + rest
+        options = grant_args(client, ours, asked) + rest  # issue 23
     except PluginError as exc:
         raise PluginError(f"service {name!r}: {exc}") from None
     environment: dict[str, str] = {}

@@ -231,7 +231,9 @@ def nodes_table(node_list: Sequence[dict[str, Any]]) -> RenderableType:
         if not node["gpus"]:
             table.add_row(node["name"], state, "-", "(no GPUs)", "", "", "", "", "", "0")
         for gpu in node["gpus"]:
-            table.add_row(node["name"], state, str(gpu["index"]), gpu["name"], gpu_bar(gpu),
+            name = gpu["name"] if gpu.get("healthy", True) else Text(f"{gpu['name']} (unhealthy: {gpu.get('health')})",
+                                                                     style="red")  # issue 23
+            table.add_row(node["name"], state, str(gpu["index"]), name, gpu_bar(gpu),
                           format_bytes(gpu["memory_total"]), format_bytes(gpu["memory_reserved"]),
                           format_bytes(gpu["memory_used"]), format_bytes(gpu["memory_free"]),
                           str(len(gpu["containers"])))

@@ -167,7 +167,7 @@ class AgentProc(Proc):
     def __init__(self, tmp: Path, manager: ManagerProc, node: str, gpus: str = "sim:2x24GiB",
                  runtime: str = "docker", env: dict[str, str] | None = None, wait: bool = True,
                  state_dir: Path | None = None, join: bool = True, endpoints: str | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, extra: list[str] | None = None) -> None:
         self.node = node
         self.manager = manager
         TEST_NODES.add(node)
@@ -176,7 +176,8 @@ class AgentProc(Proc):
         self.state_dir = state_dir or tmp / f"agent-state-{node}"
         joining = ["--join", token or manager.token()] if join else []  # issue 21: several managers' token
         super().__init__(["agent", "--manager", endpoints or manager.endpoint, "--node", node, "--gpus", gpus,
-                          "--runtime", runtime, "--state-dir", str(self.state_dir), *joining],
+                          "--runtime", runtime, "--state-dir", str(self.state_dir), *joining,
+                          *(extra or [])],  # issue 23
                          tmp / f"agent-{node}.log", env)
         if wait:
             self.wait_ready()

@@ -282,3 +282,24 @@ def test_dashboard_assets_ship_in_the_package():
         assert "http://" not in text and "https://" not in text and "//cdn" not in text, name
         assert "@import" not in text and "url(" not in text, name
     assert ".innerHTML" not in (static / "dashboard.js").read_text()
+
+
+def test_dashboard_marks_an_unhealthy_gpu_and_shows_node_labels(manager, test_image, browser, tmp_path,
+                                                                cleanup_containers):  # issue 23
+    health = tmp_path / "health"
+    agent = AgentProc(tmp_path, manager, "p23-dash", gpus=f"sim:2x24GiB;health={health}", extra=["--label=zone=a"])
+    try:
+        browser.get(manager.url + "/")
+        wait_dom(browser, "return [...document.querySelectorAll('[data-node=\"p23-dash\"] .label')]"
+                          ".some(e => e.textContent === 'zone=a');", what="the node's label")
+        assert not shown(browser, "[data-gpu-health]")
+        health.write_text("1 fatal Xid 79 in the test\n")
+        text = wait_dom(browser, "const e = document.querySelector('[data-gpu-health]');"
+                                 "return e && e.closest('.gpu').querySelector('.gpu-name').textContent + '|' + "
+                                 "e.textContent;", what="the unhealthy badge")
+        assert text.startswith("GPU 1") and text.endswith("unhealthy: fatal Xid 79 in the test")
+        health.write_text("")
+        wait_dom(browser, "return !document.querySelector('[data-gpu-health]');", what="the badge to go")
+        assert not severe(browser)
+    finally:
+        agent.stop()

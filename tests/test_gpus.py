@@ -56,7 +56,8 @@ def test_bad_specs_raise_value_error(spec: str) -> None:
         simgpu.parse_sim_spec(spec, "node-a")
 
 
-NAMES = st.text(st.characters(blacklist_characters=",:", blacklist_categories=("Cs",)), min_size=1, max_size=12)
+NAMES = st.text(st.characters(blacklist_characters=",:;@", blacklist_categories=("Cs",)), min_size=1,
+               max_size=12)  # issue 23: ";" and "@" separate options and compute capability
 ITEMS = st.tuples(st.integers(1, 4), st.integers(1, 1 << 42), st.none() | NAMES.filter(str.strip))
 
 

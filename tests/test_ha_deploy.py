@@ -39,7 +39,8 @@ def test_three_etcd_members_one_per_manager_node_with_compaction(stack) -> None:
         assert env["ETCD_NAME"] == f"etcd{i}" and env["ETCD_INITIAL_CLUSTER"].count("=http://") == 3
         assert env["ETCD_ADVERTISE_CLIENT_URLS"] == f"http://10.0.0.{i}:2379"
         assert env["ETCD_AUTO_COMPACTION_RETENTION"] == "1" and env["ETCD_MAX_TXN_OPS"] == "128"
-        assert member["deploy"]["placement"]["constraints"] == ["node.role == manager", f"node.labels.gpumgr.ha{i} == true"]
+        constraints = member["deploy"]["placement"]["constraints"]
+        assert constraints == ["node.role == manager", f"node.labels.gpumgr.ha{i} == true"]
         assert list(member["networks"]) == ["hostnet"] and member["volumes"][0]["target"] == "/var/lib/etcd"
         assert member["entrypoint"] == ["etcd"] and member["image"] == stack["services"]["manager1"]["image"]
     assert stack["networks"]["hostnet"]["name"] == "host"

@@ -421,6 +421,8 @@ def strategy_for(annotation: Any, metadata: list[Any] | tuple[Any, ...] = ()) ->
         return st.from_regex(pattern, fullmatch=True).filter(lambda s: len(s) <= bound.get("max_length", 64))
     if annotation is Any:
         return any_values
+    if origin is typing.Literal:  # issue 23: link names
+        return st.sampled_from(args)
     if annotation is type(None):
         return st.none()
     if origin in (typing.Union, types.UnionType):

@@ -277,3 +277,18 @@ def test_live_view_shows_an_unreachable_manager_and_keeps_trying():
     reader.join()
     assert status == 0 and "Traceback" not in err, err
     assert "retrying" in reader.text()
+
+
+def test_nodes_says_which_gpu_is_unhealthy_and_why():  # issue 23
+    import io
+
+    from rich.console import Console
+
+    gpu = {"index": 0, "name": "Tesla T4", "memory_total": 16 * GiB, "memory_reserved": 0, "memory_used": 0,
+           "memory_unmanaged": 0, "memory_headroom": 0, "memory_free": 16 * GiB, "containers": []}
+    nodes = [{"name": "n", "state": "ready", "gpus": [gpu, {**gpu, "index": 1, "healthy": False,
+                                                            "health": "fatal Xid 79 reported by the driver"}]}]
+    out = io.StringIO()
+    Console(file=out, width=240).print(stats.nodes_table(nodes))
+    lines = out.getvalue().splitlines()
+    assert "unhealthy" not in lines[1] and "Tesla T4 (unhealthy: fatal Xid 79 reported by the driver)" in lines[2]

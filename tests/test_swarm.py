@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import time
@@ -237,6 +238,56 @@ def test_an_image_asking_for_memory_does_not_get_a_second_grant(engine, cluster)
         manager.delete(f"/v1/containers/{record['id']}")
 
 
+# --- constraints (issue 23) ----------------------------------------------------------------------
+def test_the_agent_labels_its_swarm_node_with_its_gpus(engine, cluster):
+    labels = wait_for(lambda: (found := json.loads(engine.docker("node", "inspect", "self", "--format",
+                                                                  "{{json .Spec.Labels}}").stdout) or {})
+                      .get("gpumgr.gpu.model") and found, 20, what="the agent's labels on its Swarm node")
+    assert labels["gpumgr.gpu.model"] == "Simulated GPU" and labels["gpumgr.gpu.count"] == "2"
+    assert labels["gpumgr.gpu.memory"] == str(13 * GiB)
+
+
+def test_gpu_constraints_pick_the_gpu_and_a_task_that_violates_them_is_refused(engine, cluster):
+    manager, _ = cluster
+    none = docker_gpu(engine, manager, "service", "create", "--gpu-memory", "1GiB", "--constraint",
+                      "gpu.model==*H100*", "--name", "p23-none", IMAGE, "sleep", "60")
+    assert none.returncode == 1 and "gpu.model==*H100*" in none.stderr, none.stderr
+    bad = docker_gpu(engine, manager, "service", "create", "--gpu-memory", "1GiB", "--constraint", "gpu.index>>1",
+                     "--name", "p23-bad", IMAGE, "sleep", "60")
+    assert bad.returncode == 1 and "gpu.index>>1" in bad.stderr
+    created = docker_gpu(engine, manager, "service", "create", "--detach", "--gpu-memory", "1GiB", "--replicas", "2",
+                         "--constraint", "gpu.index==1", "--constraint", "gpu.model==Simulated GPU",
+                         "--constraint", "node.labels.gpumgr.gpu.count==2", "--name", "p23-one",
+                         "--stop-grace-period", "1s", IMAGE, "sleep", "3600")
+    assert created.returncode == 0, created.stderr
+    try:
+        spec = json.loads(engine.docker("service", "inspect", "p23-one").stdout)[0]["Spec"]["TaskTemplate"]
+        assert set(spec["Placement"]["Constraints"]) == {"node.labels.gpumgr.gpu.count==2",
+                                                         "node.labels.gpumgr.gpu.model==Simulated GPU"}
+        gpu_one = manager.node("swarm-node")["gpus"][1]["uuid"]
+        grants = wait_for(lambda: len(g := [r for r in manager.get("/v1/containers", params={"service": "p23-one"})
+                                            .json()["containers"] if r["state"] == "running"]) == 2 and g, 60,
+                          what="two running replicas")
+        assert all(r["gpus"][0]["uuid"] == gpu_one and r["constraints"] == ["gpu.index==1", "gpu.model==Simulated GPU"]
+                   for r in grants)
+    finally:
+        docker_gpu(engine, manager, "service", "rm", "p23-one")
+    live = lambda: [r for r in manager.get("/v1/containers").json()["containers"]  # noqa: E731
+                    if r["state"] in ("running", "creating")]
+    wait_for(lambda: not live(), 30, what="the replicas' grants to end")
+    # a task built without docker gpu's check, whose gpu.* constraint this node cannot meet: the hook refuses it
+    engine.docker("service", "create", "--detach", "--name", "p23-refused", "--env", f"GPUMGR_REQUEST_MEMORY={GiB}",
+                  "--env", 'GPUMGR_REQUEST_CONSTRAINTS=["gpu.index==5"]', IMAGE, "sleep", "60")
+    try:
+        error = wait_for(lambda: next((t["Error"] for t in map(json.loads, engine.docker(
+            "service", "ps", "--no-trunc", "--format", "{{json .}}", "p23-refused").stdout.splitlines())
+            if t.get("Error")), None), 60, what="the task to be refused")
+        assert "gpu.index==5" in error, error
+        assert not live()
+    finally:
+        engine.docker("service", "rm", "p23-refused", check=False)
+
+
 def test_swarm_tasks_are_readopted_after_an_agent_restart(engine, cluster, tmp_path):
     """Issue item 6: Swarm task containers were not re-adopted after an agent restart (last: it stops the agent)."""
     manager, agent = cluster
@@ -262,3 +313,4 @@ def test_swarm_tasks_are_readopted_after_an_agent_restart(engine, cluster, tmp_p
                  what="every grant freed after rm")
         if again is not None:
             again.stop()
+

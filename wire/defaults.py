@@ -82,6 +82,17 @@ MAX_GPUS_PER_REQUEST = 64
 MAX_SIM_DEVICES = 1024
 MAX_USAGE_FILE_BYTES = 4096
 MAX_CONTAINERS_PER_NODE = 4096
+#: Labels one agent may give its node, and GPUs per node whose pairwise links are reported.
+MAX_NODE_LABELS = 64
+MAX_TOPOLOGY_GPUS = 64
+
+#: GPU health (agent side): a GPU is unhealthy from the first sample that finds a fatal Xid since it was
+#: last healthy, retired pages pending, more than this many uncorrected (volatile) ECC errors, or a
+#: temperature at or over the limit (°C); it is healthy again from the first sample that finds none.
+GPU_ECC_UNCORRECTED_LIMIT = 0
+GPU_TEMPERATURE_LIMIT = 90
+#: How often the agent asks NVML about health (seconds); Xid events are waited for between asks.
+GPU_HEALTH_INTERVAL = 5.0
 
 #: How many events ``GET /v1/events`` keeps, oldest dropped first.
 EVENTS_KEPT = 1000

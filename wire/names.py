@@ -53,6 +53,8 @@ class Env(StrEnum):
     REQUEST_PRIORITY = "GPUMGR_REQUEST_PRIORITY"
     REQUEST_PREEMPTIBLE = "GPUMGR_REQUEST_PREEMPTIBLE"
     REQUEST_QUEUE = "GPUMGR_REQUEST_QUEUE"
+    #: a task's ``gpu.*`` constraints, a JSON list (``docker gpu service create --constraint``)
+    REQUEST_CONSTRAINTS = "GPUMGR_REQUEST_CONSTRAINTS"
     TASK = "GPUMGR_TASK"
     TASK_NAME = "GPUMGR_TASK_NAME"
     SERVICE = "GPUMGR_SERVICE"
@@ -91,7 +93,7 @@ def flag_set(value: str | None) -> bool:
 #: (a container asking the runtime hook for a second grant, or claiming one, is refused at the API).
 RESERVED_ENV = frozenset({Env.GRANT, Env.GPU_MEMORY, Env.NODE, Env.ON_OVERRUN, Env.REQUEST_MEMORY,
                           Env.REQUEST_GPUS, Env.REQUEST_ON_OVERRUN, Env.REQUEST_PRIORITY, Env.REQUEST_PREEMPTIBLE,
-                          Env.REQUEST_QUEUE, Env.TASK, Env.TASK_NAME, Env.SERVICE, Env.SLOT})
+                          Env.REQUEST_QUEUE, Env.REQUEST_CONSTRAINTS, Env.TASK, Env.TASK_NAME, Env.SERVICE, Env.SLOT})
 
 #: States that hold a grant.
 LIVE = frozenset({State.CREATING, State.RUNNING})
@@ -116,3 +118,5 @@ class EventType(StrEnum):
     EXPIRED = "expired"
     PREEMPTED = "preempted"
     RESIZED = "resized"
+    GPU_UNHEALTHY = "gpu_unhealthy"
+    GPU_HEALTHY = "gpu_healthy"

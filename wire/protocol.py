@@ -9,7 +9,7 @@ Requests that expect an answer get a :class:`Reply` whose ``reply_to`` is the re
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -39,6 +39,11 @@ class Message(_Model):
             _REGISTRY[cls.TYPE] = cls
 
 
+#: How two GPUs of a node are joined (best first), as ``GpuInfo.links`` names it.
+LINK_NAMES = ("nvlink", "pcie_switch", "socket", "system")
+LinkName = Literal["nvlink", "pcie_switch", "socket", "system"]
+
+
 class GpuInfo(_Model):
     """A GPU as the agent found it at start-up."""
 
@@ -46,6 +51,12 @@ class GpuInfo(_Model):
     index: int = Field(ge=0)
     name: str
     memory_total: int = Field(ge=0)
+    #: ``"8.0"``; empty when the source cannot tell
+    compute_capability: str = Field(default="", max_length=16)
+    #: how it is joined to each other GPU of the node (by uuid); empty: the source knows no topology
+    links: dict[str, LinkName] = Field(default_factory=dict, max_length=defaults.MAX_TOPOLOGY_GPUS)
+    #: why it is unhealthy now ("" while healthy), as in ``GpuSample.health``
+    health: str = Field(default="", max_length=512)
 
 
 class GpuSample(_Model):
@@ -54,6 +65,8 @@ class GpuSample(_Model):
     uuid: str
     memory_used: int = Field(ge=0)
     memory_unmanaged: int = Field(ge=0)
+    #: why the GPU is unhealthy ("" while healthy): a fatal Xid, retired pages, ECC errors, heat
+    health: str = Field(default="", max_length=512)
 
 
 class ContainerStatus(_Model):
@@ -158,6 +171,8 @@ class Register(Message):
     instance: str = Field(default="", max_length=64)
     #: the agent's gpumgr version, so a manager can refuse one too old for its commands ("": before 0.1.0)
     version: str = Field(default="", max_length=32, pattern=r"^[0-9A-Za-z.+-]*$")  # issue 21
+    #: the node's labels from its operator (``node.labels.KEY`` constraints)
+    labels: dict[str, str] = Field(default_factory=dict, max_length=defaults.MAX_NODE_LABELS)
 
 
 class Registered(Message):
@@ -268,6 +283,8 @@ class Reserve(Message):
     preemptible: bool = False
     #: wait in the manager's queue for room (the task's container waits in its create) instead of failing
     queue: bool = False
+    #: where the task may run (``wire.constraints``): checked against the node Swarm chose
+    constraints: list[str] = Field(default_factory=list, max_length=32)
     #: the tenant a plain ``docker run``'s hook request counts against (the agent's ``hook_tenant``); a
     #: Swarm task's is empty: it acts as the operator
     tenant: str = Field(default="", max_length=128)

@@ -252,6 +252,7 @@
     const ready = node.state === "ready";
     const head = el("div", { class: "node-head" },
       el("h3", { class: "node-name", text: node.name }),
+      ...Object.entries(node.labels || {}).map(([k, v]) => el("span", { class: "muted label", text: k + "=" + v })),
       el("span", { class: "badge " + (ready ? "ok" : "down"), "data-node-state": node.state, text: node.state }),
       node.runtime ? el("span", { class: "muted", text: node.runtime }) : null,
       el("span", { class: "muted seen", "data-last-seen": node.last_seen, text: "" }));
@@ -299,13 +300,17 @@
     const free = Math.max(0, gpu.memory_free || 0);
     bar.append(el("div", { class: "seg free", title: "free: " + bytes(free), style: { width: pct(free, total) + "%" } }));
 
+    const sick = gpu.healthy === false;
     const title = el("div", { class: "gpu-head" },
       el("span", { class: "gpu-name", text: "GPU " + gpu.index + " · " + (gpu.name || "") }),
+      sick ? el("span", { class: "badge down", "data-gpu-health": "unhealthy", title: gpu.health || "",
+        text: "unhealthy: " + (gpu.health || "") }) : null,
+      gpu.topology ? el("span", { class: "muted", text: "NVLink group " + gpu.topology.nvlink }) : null,
       el("span", { class: "muted gpu-uuid", text: gpu.uuid }));
     const figures = el("div", { class: "gpu-figures" },
       figure("used", gpu.memory_used), figure("granted", gpu.memory_reserved),
       unmanaged ? figure("unmanaged", unmanaged) : null, figure("free", free), figure("total", total));
-    return el("div", { class: "gpu", "data-gpu": gpu.uuid }, title, bar, figures);
+    return el("div", { class: "gpu" + (sick ? " is-unhealthy" : ""), "data-gpu": gpu.uuid }, title, bar, figures);
   }
 
   function figure(label, value) {
