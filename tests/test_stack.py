@@ -173,7 +173,7 @@ def swarm(docker_client, tmp_path_factory):
     engine = SwarmEngine(busybox_tar(shutil.which("busybox") or "/bin/busybox"))
     tmp = tmp_path_factory.mktemp("stack")
     manager = ManagerProc(tmp)
-    agent = AgentProc(tmp, manager, NODE, gpus="sim:2x12GiB",
+    agent = AgentProc(tmp, manager, NODE, gpus="sim:2x16GiB",
                       env={"DOCKER_HOST": engine.env["DOCKER_HOST"], "GPUMGR_HOOK_SOCKET": engine.hook_socket})
     yield engine, manager
     agent.stop()
@@ -203,7 +203,7 @@ STACK_FILE = """\
         <<: *task
         deploy: {replicas: 3}
         x-gpumgr: {gpu_memory: 3GiB, gpus: 1, priority: 4, preemptible: true, on_overrun: kill,
-                   constraints: ["node.role==manager"]}
+                   constraints: ["node.role==manager", "gpu.index==1"]}
       infer:
         <<: *task
         deploy: {replicas: 3}
@@ -232,6 +232,7 @@ def test_a_stack_gives_every_replica_its_services_grant_and_rm_ends_them(swarm, 
             (3 * GiB, 1, 4, True, "kill")}
         assert {(r.gpu_memory, r.gpu_count, r.priority, r.preemptible, r.on_overrun) for r in infer} == {
             (GiB, 2, 0, False, "report")}
+        assert {g.index for r in train for g in r.gpus} == {1}  # the gpu.* constraint, checked by the hook
         assert {r.labels["gpumgr.service"] for r in train + infer} == {f"{STACK}_train", f"{STACK}_infer"}
         node = manager.client.nodes.get(NODE)
         assert sum(g.memory_reserved for g in node.gpus) == 3 * 3 * GiB + 3 * 2 * GiB
