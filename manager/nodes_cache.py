@@ -1,13 +1,23 @@
-"""``GET /v1/nodes`` for the operator: one encoded map shared by every poller, with an ETag and a gzip copy.
+"""``GET /v1/nodes`` for the operator: the map encoded once per node, a version, and the changes since one.
 
-At 1,000 nodes × 8 GPUs the map is 1.6 MB of JSON and takes milliseconds to build and encode. Built
-on the request path every time the previous copy aged out, it gave a poller at 20 Hz a p99 of over
-100 ms. Here a background thread rebuilds the copy before it ages out while someone polls, so a
-request usually finds a fresh one; a grant or a node changing (the map's version) still makes the
-next request see the change at once. The thread rebuilds only for pollers that asked since its last
-build, so a burst of placements does not make it rebuild at every grant. Each copy carries an
-ETag: a client sending it back in ``If-None-Match`` gets a bodiless 304 while the map has not
-changed. A client accepting gzip gets the copy compressed (2-10% of the bytes), once per copy.
+At 1,000 nodes × 8 GPUs the map is 1.6 MB of JSON; building and encoding it whole for every poll
+took milliseconds under the GIL and gave a poller at 20 Hz a p99 of about 100 ms. Here each node's
+part of the body is kept encoded, and only the nodes whose figures changed are rebuilt: the ledger
+names them (:attr:`~gpumgr.manager.ledger.Ledger.touched`: a grant, a release, a node joining, going
+down or leaving, a heartbeat with other figures). The whole body is those parts joined.
+
+Every rebuild that changes something gives the map a new *version* (``"<boot>-<n>"``, where ``boot``
+is this process's own: a version of another manager process is never taken for ours). A client that
+sends ``?since=<version>`` gets only the nodes changed after it and the names of the nodes removed
+(``"full": false``); when that version is not ours or too old to answer, the whole map with
+``"full": true``, which replaces what the client holds. ``last_seen`` alone does not make a node
+change (every node heartbeats every second): a node is listed again once its ``last_seen`` is
+:data:`SEEN_STEP` to 1.5 × that older than the one last listed, so it lags by at most that much.
+
+Each answer carries an ETag: ``If-None-Match`` with it gets a bodiless 304 while nothing changed. A
+client accepting gzip gets the body compressed (2-10% of the bytes), once per copy. The ledger's lock
+is held only to copy the changed nodes' figures into dicts; encoding, joining and compressing run
+after it, on the request's thread (never the link's), at most one rebuild at a time.
 """
 
 from __future__ import annotations
@@ -15,34 +25,57 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import zlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from flask import Request, Response
+
+from gpumgr.manager.views import node_view
+from gpumgr.wire.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from gpumgr.manager.cluster import Cluster
 
-#: A copy is rebuilt in the background once it is this share of ``map_max_age`` old.
-REBUILD_AT = 0.6
-#: The background thread stops once nobody has asked for this many seconds.
-IDLE_AFTER = 5.0
 #: Bodies smaller than this go uncompressed: gzip would save less than it costs.
 GZIP_MIN = 1400
 GZIP_LEVEL = 5
+#: A node is listed again once its ``last_seen`` moved this far (to 1.5 × this, spread by its name).
+SEEN_STEP = 2.0
+#: Every node's figures are compared whole this often while someone polls (a change no one named).
+SCAN_EVERY = 10.0
+#: Removals remembered for ``since``; an older ``since`` than the oldest forgotten gets the full map.
+REMOVED_KEPT = 10_000
+#: Answers of other ``since`` versions kept for the current version (pollers mostly send the last one).
+DELTAS_KEPT = 8
+#: What a version looks like: this process's boot id, a dash and a count.
+VERSION = re.compile(r"[0-9a-f]{8}-[0-9]{1,19}")
 
 
 @dataclass
 class Copy:
-    """One encoded map: the version it was built at, when, its body, ETag and gzip copy (made on demand)."""
+    """One answer's body: the map's version it shows, the changes since which version (None: whole), gzip."""
 
     version: int
-    built: float
+    since: int | None
     body: bytes
     etag: str
     gzipped: bytes | None = None
+
+
+@dataclass
+class _Part:
+    """One node's part of the body: its view (for comparing), encoded, the version it changed at."""
+
+    view: dict[str, Any]
+    encoded: bytes
+    changed: int
+    #: its ``last_seen`` when it was last listed, and how far it may move before it is listed again
+    seen: float
+    step: float = field(default=SEEN_STEP)
 
 
 class NodesCache:
@@ -50,26 +83,27 @@ class NodesCache:
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
-        self._copy: Copy | None = None
-        self._build_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._thread_lock = threading.Lock()
-        self._asked = 0.0
-        #: a request came since the last build: only then is a rebuild worth its cost
-        self._wanted = False
-        self._gzip_wanted = False
-        self._count = 0
-        self._boot = os.urandom(4).hex()  # ETags of another manager process never match ours
+        self._boot = os.urandom(4).hex()
+        self._lock = threading.Lock()
+        self._parts: dict[str, _Part] = {}
+        self._order: list[str] = []
+        self._removed: dict[str, int] = {}
+        #: a ``since`` below this misses removals that were forgotten: it gets the full map
+        self._floor = 0
+        self._version = 0
+        self._whole: Copy | None = None
+        self._deltas: dict[int, Copy] = {}
+        self._checked = 0.0
+        self._cursor = 0
 
+    # --- answers -------------------------------------------------------------------------------
     def response(self, request: Request) -> Response:
-        """The map for ``request``: 304 if it holds the current ETag, else the body (gzipped if accepted)."""
-        self._asked, self._wanted = time.monotonic(), True
-        self._keep_fresh()
-        copy = self.current()
+        """The map for ``request``: whole, or the changes since ``?since=``; 304 for its ETag; gzip if accepted."""
+        since = self._since(request.args.get("since"))
+        copy = self.current(since)
         if copy.etag in request.if_none_match:
             reply = Response(status=304)
         elif request.accept_encodings["gzip"] > 0 and len(copy.body) >= GZIP_MIN:
-            self._gzip_wanted = True
             reply = Response(self._gzipped(copy), mimetype="application/json")
             reply.headers["Content-Encoding"] = "gzip"
         else:
@@ -79,50 +113,120 @@ class NodesCache:
         reply.vary.add("Accept-Encoding")
         return reply
 
-    def current(self) -> Copy:
-        """A copy of the map no older than ``map_max_age`` and of the map's current version."""
-        copy = self._copy
-        if copy is not None and self._fresh(copy, 1.0):
+    def version_token(self) -> str:
+        """The map's version now, as an answer names it."""
+        return self._token(self._version)
+
+    def since_of(self, raw: str | None) -> int | None:
+        """``?since=``'s version number if it is one of ours this cache can answer, else None (the whole map).
+
+        Raises InvalidRequest when ``raw`` is not a version at all.
+        """
+        return self._since(raw)
+
+    def current(self, since: int | None = None) -> Copy:
+        """The answer for ``since`` (None: the whole map), the map's changes taken first."""
+        self._refresh()
+        with self._lock:
+            whole = self._whole
+            assert whole is not None
+            if since is None or since < self._floor or since > whole.version:
+                return whole
+            copy = self._deltas.get(since)
+            if copy is None:
+                copy = self._delta(whole.version, since)
+                if len(self._deltas) >= DELTAS_KEPT:
+                    self._deltas.pop(next(iter(self._deltas)))
+                self._deltas[since] = copy
             return copy
-        with self._build_lock:
-            copy = self._copy
-            if copy is not None and self._fresh(copy, 1.0):
-                return copy  # another request built it while this one waited
-            return self._build()
 
-    def _fresh(self, copy: Copy, share: float) -> bool:
-        return copy.version == self.cluster.ledger.version and \
-            time.monotonic() - copy.built < self.cluster.map_max_age * share
+    def _since(self, raw: str | None) -> int | None:
+        if raw is None:
+            return None
+        if len(raw) > 28 or not VERSION.fullmatch(raw):
+            shown = f", not {raw!r}" if len(raw) <= 28 else f" (at most 28 characters, got {len(raw)})"
+            raise InvalidRequest(f"since must be a version from an earlier answer, like '0a1b2c3d-42'{shown}")
+        boot, number = raw.split("-")
+        return int(number) if boot == self._boot else None
 
-    def _build(self) -> Copy:
-        self._wanted = False
-        version = self.cluster.ledger.version  # read first: a change during the build makes the copy stale at once
-        view = self.cluster.nodes_view()
-        self._count += 1
-        body = json.dumps({"nodes": view}, separators=(",", ":")).encode()
-        self._copy = Copy(version, time.monotonic(), body, f"{self._boot}-{self._count}")
-        return self._copy
+    def _token(self, version: int) -> str:
+        return f"{self._boot}-{version}"
+
+    def _delta(self, version: int, since: int) -> Copy:
+        changed = [self._parts[n].encoded for n in self._order if self._parts[n].changed > since]
+        removed = [n for n, at in self._removed.items() if at > since]
+        head = json.dumps({"version": self._token(version), "since": self._token(since), "full": False,
+                           "removed": removed}, separators=(",", ":")).encode()
+        body = head[:-1] + b',"nodes":[' + b",".join(changed) + b"]}"
+        return Copy(version, since, body, f"{self._token(version)}.{since}")
 
     def _gzipped(self, copy: Copy) -> bytes:
         if copy.gzipped is None:
             copy.gzipped = gzip.compress(copy.body, GZIP_LEVEL, mtime=0)
         return copy.gzipped
 
-    def _keep_fresh(self) -> None:
-        """Start the background rebuilder if it is not running."""
-        with self._thread_lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._rebuild_while_asked, name="nodes-cache", daemon=True)
-                self._thread.start()
+    # --- keeping the parts -----------------------------------------------------------------------
+    def _refresh(self) -> None:
+        """Take the ledger's changed nodes and re-encode their parts; a new version if any changed.
 
-    def _rebuild_while_asked(self) -> None:
-        while time.monotonic() - self._asked < IDLE_AFTER:
-            copy = self._copy
-            # only for a poller that came since the last build: while grants change many times a
-            # second, rebuilding at each change would cost a core for copies nobody reads
-            if self._wanted and (copy is None or not self._fresh(copy, REBUILD_AT)):
-                with self._build_lock:
-                    copy = self._build()
-                if self._gzip_wanted:
-                    self._gzipped(copy)
-            time.sleep(self.cluster.map_max_age * (1 - REBUILD_AT) / 4)
+        Besides the nodes the ledger names, each refresh compares a slice of all nodes whole, so that
+        every node is compared at least every :data:`SCAN_EVERY` seconds while someone polls: a change
+        that no code path named still reaches the answers, late.
+        """
+        ledger = self.cluster.ledger
+        now = time.monotonic()
+        if self._whole is not None and not ledger.touched and now - self._checked < self.cluster.map_max_age:
+            return  # nothing named since the last look, and last_seen looked at recently
+        with self._lock:
+            now = time.monotonic()
+            with ledger.lock:
+                names = ledger.take_touched()
+                nodes, parts = ledger.nodes, self._parts
+                order = list(nodes)
+                names.update(n for n in order if n not in parts)
+                names.update(n for n, node in nodes.items()
+                             if (p := parts.get(n)) is not None and node.last_seen - p.seen >= p.step)
+                if order:
+                    share = 1.0 if self._whole is None else min(1.0, (now - self._checked) / SCAN_EVERY)
+                    count = min(len(order), int(len(order) * share) + 1)
+                    start = self._cursor % len(order)
+                    names.update(order[start:start + count])
+                    names.update(order[:max(0, start + count - len(order))])
+                    self._cursor = start + count
+                views = {n: node_view(nodes[n]) for n in names if n in nodes}
+            self._checked = now
+            self._apply(views, names - views.keys(), order)
+
+    def _apply(self, views: dict[str, dict[str, Any]], gone: set[str], order: list[str]) -> None:
+        """Re-encode the parts of ``views`` that changed, forget ``gone``; a new version if anything did."""
+        version = self._version + 1
+        changed = False
+        for name, view in views.items():
+            part = self._parts.get(name)
+            if part is not None and _same(part.view, view) and view["last_seen"] - part.seen < part.step:
+                continue
+            changed = True
+            step = SEEN_STEP * (1 + (zlib.crc32(name.encode()) % 512) / 1024)
+            self._parts[name] = _Part(view, json.dumps(view, separators=(",", ":")).encode(), version,
+                                      view["last_seen"], step)
+            self._removed.pop(name, None)
+        for name in gone:
+            if self._parts.pop(name, None) is not None:
+                changed = True
+                self._removed[name] = version
+        while len(self._removed) > REMOVED_KEPT:
+            oldest = next(iter(self._removed))
+            self._floor = max(self._floor, self._removed.pop(oldest))
+        if not changed and self._whole is not None:
+            return
+        self._version, self._order = version, order
+        head = json.dumps({"version": self._token(version), "full": True, "removed": []},
+                          separators=(",", ":")).encode()
+        body = head[:-1] + b',"nodes":[' + b",".join(self._parts[n].encoded for n in order) + b"]}"
+        self._whole = Copy(version, None, body, self._token(version))
+        self._deltas = {}
+
+
+def _same(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether two views of a node show the same, but for ``last_seen``."""
+    return old["state"] == new["state"] and old["gpus"] == new["gpus"] and old["runtime"] == new["runtime"]

@@ -81,6 +81,8 @@ class Reconciler:
             gpu = self.ledger.gpus.get(sample.uuid)
             if gpu is not None and gpu.node == name:
                 before = gpu.free
+                if gpu.used != sample.memory_used or gpu.unmanaged != sample.memory_unmanaged:
+                    self.ledger.touched.add(name)
                 gpu.used, gpu.unmanaged = sample.memory_used, sample.memory_unmanaged
                 self.ledger.index.update(gpu)
                 if gpu.free > before and len(self.life.queue):

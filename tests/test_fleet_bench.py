@@ -38,6 +38,9 @@ def test_fleet_joins_heartbeats_serves_the_map_and_places(tmp_path: Path) -> Non
     polled = result["polled"]
     assert polled["statuses"] and set(polled["statuses"]) == {200}
     assert min(polled["bytes"]) > 0
+    since = result["polled since"]  # the changes only, after the first (whole) answer
+    assert since["statuses"] and set(since["statuses"]) == {200}
+    assert max(since["bytes"][1:]) < min(polled["bytes"]), (since["bytes"], polled["bytes"])
     for name in ("placements gpus=1", "placements gpus=2..4"):
         assert result[name]["statuses"] == [201] * 24, result[name]["statuses"]
         assert result[name]["removed"] == [200] * 24
