@@ -15,9 +15,11 @@ change (every node heartbeats every second): a node is listed again once its ``l
 :data:`SEEN_STEP` to 1.5 × that older than the one last listed, so it lags by at most that much.
 
 Each answer carries an ETag: ``If-None-Match`` with it gets a bodiless 304 while nothing changed. A
-client accepting gzip gets the body compressed (2-10% of the bytes), once per copy. The ledger's lock
-is held only to copy the changed nodes' figures into dicts; encoding, joining and compressing run
-after it, on the request's thread (never the link's), at most one rebuild at a time.
+client accepting gzip gets the body compressed (2-10% of the bytes), once per copy. A request takes
+only what the ledger named (usually a few nodes, often none); the ``last_seen`` moves, the whole
+comparison and the gzip copy of the whole map are made ahead by a background thread that runs while
+someone polls. The ledger's lock is held only to copy the changed nodes' figures into dicts;
+encoding, joining and compressing run after it, never on the link's thread.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ GZIP_LEVEL = 5
 SEEN_STEP = 2.0
 #: Every node's figures are compared whole this often while someone polls (a change no one named).
 SCAN_EVERY = 10.0
+#: The background thread stops once nobody has asked for this many seconds.
+IDLE_AFTER = 5.0
 #: Removals remembered for ``since``; an older ``since`` than the oldest forgotten gets the full map.
 REMOVED_KEPT = 10_000
 #: Answers of other ``since`` versions kept for the current version (pollers mostly send the last one).
@@ -68,13 +72,12 @@ class Copy:
 
 @dataclass
 class _Part:
-    """One node's part of the body: its view (for comparing), encoded, the version it changed at."""
+    """One node's part of the body: encoded, the version it changed at, and the ``last_seen`` it shows."""
 
-    view: dict[str, Any]
     encoded: bytes
     changed: int
-    #: its ``last_seen`` when it was last listed, and how far it may move before it is listed again
     seen: float
+    #: how far ``last_seen`` may move before the node is listed again (spread by its name)
     step: float = field(default=SEEN_STEP)
 
 
@@ -95,15 +98,22 @@ class NodesCache:
         self._deltas: dict[int, Copy] = {}
         self._checked = 0.0
         self._cursor = 0
+        self._asked = 0.0
+        self._gzip_wanted = False
+        self._thread: threading.Thread | None = None
+        self._thread_lock = threading.Lock()
 
     # --- answers -------------------------------------------------------------------------------
     def response(self, request: Request) -> Response:
         """The map for ``request``: whole, or the changes since ``?since=``; 304 for its ETag; gzip if accepted."""
         since = self._since(request.args.get("since"))
+        self._asked = time.monotonic()
+        self._keep_fresh()
         copy = self.current(since)
         if copy.etag in request.if_none_match:
             reply = Response(status=304)
         elif request.accept_encodings["gzip"] > 0 and len(copy.body) >= GZIP_MIN:
+            self._gzip_wanted = self._gzip_wanted or copy.since is None
             reply = Response(self._gzipped(copy), mimetype="application/json")
             reply.headers["Content-Encoding"] = "gzip"
         else:
@@ -166,17 +176,16 @@ class NodesCache:
         return copy.gzipped
 
     # --- keeping the parts -----------------------------------------------------------------------
-    def _refresh(self) -> None:
-        """Take the ledger's changed nodes and re-encode their parts; a new version if any changed.
+    def _refresh(self, whole: bool = False) -> None:
+        """Take the nodes the ledger named changed and re-encode their parts; a new version if any changed.
 
-        Besides the nodes the ledger names, each refresh compares a slice of all nodes whole, so that
-        every node is compared at least every :data:`SCAN_EVERY` seconds while someone polls: a change
-        that no code path named still reaches the answers, late.
+        ``whole`` (the background thread, every ``map_max_age``): also the nodes whose ``last_seen`` moved
+        past their step, and a slice of all nodes compared whole, so that every node is compared at least
+        every :data:`SCAN_EVERY` seconds while someone polls: a change no code path named still shows, late.
         """
         ledger = self.cluster.ledger
-        now = time.monotonic()
-        if self._whole is not None and not ledger.touched and now - self._checked < self.cluster.map_max_age:
-            return  # nothing named since the last look, and last_seen looked at recently
+        if self._whole is not None and not ledger.touched and not whole:
+            return
         with self._lock:
             now = time.monotonic()
             with ledger.lock:
@@ -184,18 +193,35 @@ class NodesCache:
                 nodes, parts = ledger.nodes, self._parts
                 order = list(nodes)
                 names.update(n for n in order if n not in parts)
-                names.update(n for n, node in nodes.items()
-                             if (p := parts.get(n)) is not None and node.last_seen - p.seen >= p.step)
-                if order:
-                    share = 1.0 if self._whole is None else min(1.0, (now - self._checked) / SCAN_EVERY)
-                    count = min(len(order), int(len(order) * share) + 1)
+                if whole and order:
+                    names.update(n for n, node in nodes.items()
+                                 if (p := parts.get(n)) is not None and node.last_seen - p.seen >= p.step)
+                    count = min(len(order), int(len(order) * min(1.0, (now - self._checked) / SCAN_EVERY)) + 1)
                     start = self._cursor % len(order)
                     names.update(order[start:start + count])
                     names.update(order[:max(0, start + count - len(order))])
                     self._cursor = start + count
                 views = {n: node_view(nodes[n]) for n in names if n in nodes}
-            self._checked = now
+            if whole:
+                self._checked = now
             self._apply(views, names - views.keys(), order)
+
+    def _keep_fresh(self) -> None:
+        """Start the background thread if it is not running."""
+        with self._thread_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._while_asked, name="nodes-cache", daemon=True)
+                self._thread.start()
+
+    def _while_asked(self) -> None:
+        """While someone polls: the ``last_seen`` moves and the whole comparison, and the gzip copy made ahead."""
+        while time.monotonic() - self._asked < IDLE_AFTER:
+            if time.monotonic() - self._checked >= self.cluster.map_max_age:
+                self._refresh(whole=True)
+            copy = self._whole
+            if self._gzip_wanted and copy is not None:
+                self._gzipped(copy)
+            time.sleep(max(0.01, min(0.1, self.cluster.map_max_age / 4)))
 
     def _apply(self, views: dict[str, dict[str, Any]], gone: set[str], order: list[str]) -> None:
         """Re-encode the parts of ``views`` that changed, forget ``gone``; a new version if anything did."""
@@ -203,12 +229,15 @@ class NodesCache:
         changed = False
         for name, view in views.items():
             part = self._parts.get(name)
-            if part is not None and _same(part.view, view) and view["last_seen"] - part.seen < part.step:
-                continue
+            seen = view["last_seen"]
+            if part is not None and seen - part.seen < part.step:
+                view["last_seen"] = part.seen  # the same as before but for last_seen, within its step: unchanged
+                if _encode(view) == part.encoded:
+                    continue
+                view["last_seen"] = seen
             changed = True
             step = SEEN_STEP * (1 + (zlib.crc32(name.encode()) % 512) / 1024)
-            self._parts[name] = _Part(view, json.dumps(view, separators=(",", ":")).encode(), version,
-                                      view["last_seen"], step)
+            self._parts[name] = _Part(_encode(view), version, seen, step)
             self._removed.pop(name, None)
         for name in gone:
             if self._parts.pop(name, None) is not None:
@@ -227,6 +256,5 @@ class NodesCache:
         self._deltas = {}
 
 
-def _same(old: dict[str, Any], new: dict[str, Any]) -> bool:
-    """Whether two views of a node show the same, but for ``last_seen``."""
-    return old["state"] == new["state"] and old["gpus"] == new["gpus"] and old["runtime"] == new["runtime"]
+def _encode(view: dict[str, Any]) -> bytes:
+    return json.dumps(view, separators=(",", ":")).encode()

@@ -99,7 +99,8 @@ def applied(held: dict[str, dict], answer: dict) -> dict[str, dict]:
 
 
 def test_since_lists_only_the_node_a_grant_changed_and_nothing_once_unchanged(served) -> None:
-    _, client = served
+    manager, client = served
+    manager.cluster.reconciler.down_after = 60.0  # no heartbeats come: the nodes must not go down meanwhile
     whole = body(client.get("/v1/nodes"))
     assert whole["full"] is True and whole["removed"] == [] and set(nodes_of(whole)) == {"a", "b"}
     version = whole["version"]
@@ -166,29 +167,38 @@ def test_a_malformed_since_is_a_400_saying_so(served, since) -> None:
     assert "since" in reply.json["error"]["message"] and len(reply.data) < 400
 
 
+def listed_since(client, version: str) -> list[dict]:
+    return body(client.get(f"/v1/nodes?since={version}"))["nodes"]
+
+
 def test_a_change_no_code_path_named_still_reaches_the_answers(served, monkeypatch) -> None:
     manager, client = served
-    monkeypatch.setattr(nodes_cache, "SCAN_EVERY", 1e-6)  # every refresh compares every node whole
-    manager.cluster.map_max_age = 0.0
+    manager.cluster.reconciler.down_after = 60.0  # no heartbeats come: the nodes must not go down meanwhile
+    monkeypatch.setattr(nodes_cache, "SCAN_EVERY", 0.2)  # every node compared whole within 0.2 s
+    manager.cluster.map_max_age = 0.05
     version = body(client.get("/v1/nodes"))["version"]
     with manager.cluster.ledger.lock:
         manager.cluster.ledger.nodes["a"].gpus[0].used = 5 * GiB  # behind the ledger's back
-    delta = body(client.get(f"/v1/nodes?since={version}"))
-    assert [n["name"] for n in delta["nodes"]] == ["a"] and delta["nodes"][0]["gpus"][0]["memory_used"] == 5 * GiB
+    assert wait_until(lambda: listed_since(client, version), 5)
+    listed = listed_since(client, version)
+    assert [n["name"] for n in listed] == ["a"] and listed[0]["gpus"][0]["memory_used"] == 5 * GiB
 
 
-def test_last_seen_alone_relists_a_node_only_after_its_step(served, monkeypatch) -> None:
+def test_last_seen_alone_relists_a_node_only_after_its_step(served) -> None:
     manager, client = served
-    manager.cluster.map_max_age = 0.0
+    manager.cluster.reconciler.down_after = 60.0  # no heartbeats come: the nodes must not go down meanwhile
+    manager.cluster.map_max_age = 0.05
     version = body(client.get("/v1/nodes"))["version"]
-    agent_node = manager.cluster.ledger.nodes["a"]
+    node = manager.cluster.ledger.nodes["a"]
     with manager.cluster.ledger.lock:
-        agent_node.last_seen += 0.5 * nodes_cache.SEEN_STEP  # a heartbeat that changed nothing else
-    assert body(client.get(f"/v1/nodes?since={version}"))["nodes"] == []
+        node.last_seen += 0.5 * nodes_cache.SEEN_STEP  # a heartbeat that changed nothing else
+    time.sleep(0.5)  # the background thread looked several times meanwhile
+    assert listed_since(client, version) == []
     with manager.cluster.ledger.lock:
-        agent_node.last_seen += 1.6 * nodes_cache.SEEN_STEP
-    relisted = body(client.get(f"/v1/nodes?since={version}"))["nodes"]
-    assert [n["name"] for n in relisted] == ["a"] and relisted[0]["last_seen"] == agent_node.last_seen
+        node.last_seen += 1.6 * nodes_cache.SEEN_STEP
+    assert wait_until(lambda: listed_since(client, version), 5)
+    relisted = listed_since(client, version)
+    assert [n["name"] for n in relisted] == ["a"] and relisted[0]["last_seen"] == node.last_seen
 
 
 def test_a_tenant_gets_its_whole_view_with_since(tmp_path) -> None:
