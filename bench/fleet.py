@@ -20,7 +20,8 @@ Phases, one after the other on the same manager:
 3. **polled**: the same, while another process GETs ``/v1/nodes`` at ``--poll-hz``; its latency,
    the body's size and the manager's CPU. ``--poll-etag`` makes the poller send ``If-None-Match``.
    Then **polled since**: the same again, the poller sending the last answer's version as ``?since=``
-   (the changes only; a tree without versions is polled whole).
+   (the changes only; a tree without versions is polled whole). Then, as the machine's floor, the
+   same with ``GET /healthz`` (a few bytes, no map) polled instead.
 4. **placements**: ``--placements`` containers created over REST by ``--clients`` threads of another
    process (gpus 1, then gpus 2-4), then removed; placements per second, and every grant freed.
 
@@ -258,8 +259,8 @@ class Fleet:
 
 
 # --- the other process: REST load ------------------------------------------------------------------
-def poll_nodes(url: str, hz: float, seconds: float, etag: bool, since: bool, out: Any) -> None:
-    """GET ``/v1/nodes`` at ``hz`` for ``seconds`` (fixed rate); put (latencies, statuses, sizes) on ``out``.
+def poll_nodes(url: str, path: str, hz: float, seconds: float, etag: bool, since: bool, out: Any) -> None:
+    """GET ``path`` at ``hz`` for ``seconds`` (fixed rate); put (latencies, statuses, sizes) on ``out``.
 
     ``since``: as a dashboard keeping the map does, send the last answer's version as ``?since=`` (a tree
     whose answers carry no version is polled whole). The latency is to the last byte, before decoding.
@@ -271,7 +272,7 @@ def poll_nodes(url: str, hz: float, seconds: float, etag: bool, since: bool, out
         headers = {"If-None-Match": tag} if etag and tag else {}
         params = {"since": version} if since and version else None
         t0 = time.perf_counter()
-        reply = session.get(f"{url}/v1/nodes", headers=headers, params=params, timeout=30, stream=True)
+        reply = session.get(f"{url}{path}", headers=headers, params=params, timeout=30, stream=True)
         raw = reply.raw.read(decode_content=False)
         latencies.append(time.perf_counter() - t0)
         statuses.append(reply.status_code)
@@ -390,9 +391,10 @@ def run(args: argparse.Namespace, retry: str, pythonpath: Path | None = None) ->
         fleet.round_trips.clear()
         _, cpu = cpu_share(manager.pid, lambda: fleet.run(time.perf_counter() + args.steady, args.probe_hz))
         out["heartbeats"] = {"manager_cpu": cpu, "round_trip_s": list(fleet.round_trips)}
-        for phase, since in (("polled", False), ("polled since", True)):
+        for phase, path, since in (("polled", "/v1/nodes", False), ("polled since", "/v1/nodes", True),
+                                   ("polled healthz", "/healthz", False)):
             fleet.round_trips.clear()
-            child, queue = in_child(poll_nodes, url, args.poll_hz, args.steady, args.poll_etag, since,
+            child, queue = in_child(poll_nodes, url, path, args.poll_hz, args.steady, args.poll_etag, since,
                                     timeout=args.timeout)
             (latencies, statuses, sizes), cpu = cpu_share(
                 manager.pid, lambda c=child, q=queue: serve_while(fleet, c, q, args.probe_hz,
@@ -433,18 +435,18 @@ def report(args: argparse.Namespace, out: dict[str, Any], title: str) -> None:
         ["manager CPU meanwhile (cores)", h["manager_cpu"]],
         ["this process (the fleet) meanwhile (cores)", h["fleet_cpu"]]], lead="\n")
     rows = []
-    for phase in ("heartbeats", "polled", "polled since"):
+    for phase in ("heartbeats", "polled", "polled since", "polled healthz"):
         rt = summary(out[phase]["round_trip_s"], 1e3) if out[phase]["round_trip_s"] else {"p50": 0, "p99": 0, "max": 0}
         rows.append([f"{phase}: manager CPU (cores)", out[phase]["manager_cpu"], "", ""])
         rows.append([f"{phase}: link round trip ms p50/p99/max", rt["p50"], f"{rt['p99']:8.2f}", f"{rt['max']:8.2f}"])
-    for phase, form in (("polled", ""), ("polled since", "?since=")):
+    for phase, form in (("polled", "/v1/nodes"), ("polled since", "/v1/nodes?since="), ("polled healthz", "/healthz")):
         lat = summary(out[phase]["latency_s"], 1e3)
-        rows.append([f"GET /v1/nodes{form} at {args.poll_hz:g} Hz: ms p50/p99/max", lat["p50"],
+        rows.append([f"GET {form} at {args.poll_hz:g} Hz: ms p50/p99/max", lat["p50"],
                      f"{lat['p99']:8.2f}", f"{lat['max']:8.2f}"])
         sizes = out[phase]["bytes"]
-        rows.append([f"GET /v1/nodes{form} body bytes (median)", sorted(sizes)[len(sizes) // 2], "", ""])
+        rows.append([f"GET {form} body bytes (median)", sorted(sizes)[len(sizes) // 2], "", ""])
         codes = sorted(set(out[phase]["statuses"]))
-        rows.append([f"GET /v1/nodes{form} statuses {codes}", len(out[phase]["statuses"]), "", ""])
+        rows.append([f"GET {form} statuses {codes}", len(out[phase]["statuses"]), "", ""])
     for name in ("placements gpus=1", "placements gpus=2..4"):
         p = out[name]
         lat = summary(p["latencies"], 1e3)
@@ -462,6 +464,7 @@ def headline(out: dict[str, Any]) -> dict[str, float]:
     """The figures the goals name, of one run."""
     polled = summary(out["polled"]["latency_s"], 1e3)
     since = summary(out["polled since"]["latency_s"], 1e3)
+    health = summary(out["polled healthz"]["latency_s"], 1e3)
     quiet = summary(out["heartbeats"]["round_trip_s"], 1e3)
     return {"herd: all Registered s": out["herd"]["all_registered_s"],
             "herd: all ready in GET /v1/nodes s": out["herd"]["all_ready_s"],
@@ -475,6 +478,7 @@ def headline(out: dict[str, Any]) -> dict[str, float]:
             "polled since: manager CPU cores": out["polled since"]["manager_cpu"],
             "polled since: GET p50 ms": since["p50"], "polled since: GET p99 ms": since["p99"],
             "polled since: GET bytes": float(median(out["polled since"]["bytes"])),
+            "control: GET /healthz p50 ms": health["p50"], "control: GET /healthz p99 ms": health["p99"],
             **{f"{name}: per s": len(out[name]["statuses"]) / out[name]["elapsed"]
                for name in ("placements gpus=1", "placements gpus=2..4")}}
 
