@@ -174,8 +174,8 @@
     const since = resync ? 0 : state.lastEventId;
     try {
       // the nodes first: without a (valid) token one 401 is enough to ask for it
-      const since = state.nodesVersion ? "?since=" + encodeURIComponent(state.nodesVersion) : "";
-      const nodes = await api("/v1/nodes" + since);
+      const changes = state.nodesVersion ? "?since=" + encodeURIComponent(state.nodesVersion) : "";
+      const nodes = await api("/v1/nodes" + changes);
       const [containers, events] = await Promise.all([
         api("/v1/containers"),
         api("/v1/events?since=" + encodeURIComponent(since)),
