@@ -95,6 +95,9 @@ class NodesCache:
         self._floor = 0
         self._version = 0
         self._whole: Copy | None = None
+        #: the parts were built once (the first answer builds them all)
+        self._started = False
+        self._whole_asked = 0.0
         self._deltas: dict[int, Copy] = {}
         self._checked = 0.0
         self._cursor = 0
@@ -138,13 +141,12 @@ class NodesCache:
         """The answer for ``since`` (None: the whole map), the map's changes taken first."""
         self._refresh()
         with self._lock:
-            whole = self._whole
-            assert whole is not None
-            if since is None or since < self._floor or since > whole.version:
-                return whole
+            if since is None or since < self._floor or since > self._version:
+                self._whole_asked = time.monotonic()
+                return self._whole_copy()
             copy = self._deltas.get(since)
             if copy is None:
-                copy = self._delta(whole.version, since)
+                copy = self._delta(self._version, since)
                 if len(self._deltas) >= DELTAS_KEPT:
                     self._deltas.pop(next(iter(self._deltas)))
                 self._deltas[since] = copy
@@ -184,7 +186,7 @@ class NodesCache:
         every :data:`SCAN_EVERY` seconds while someone polls: a change no code path named still shows, late.
         """
         ledger = self.cluster.ledger
-        if self._whole is not None and not ledger.touched and not whole:
+        if self._started and not ledger.touched and not whole:
             return
         with self._lock:
             now = time.monotonic()
@@ -193,18 +195,20 @@ class NodesCache:
                 nodes, parts = ledger.nodes, self._parts
                 order = list(nodes)
                 names.update(n for n in order if n not in parts)
+                moved: dict[str, float] = {}
                 if whole and order:
-                    names.update(n for n, node in nodes.items()
-                                 if (p := parts.get(n)) is not None and node.last_seen - p.seen >= p.step)
                     count = min(len(order), int(len(order) * min(1.0, (now - self._checked) / SCAN_EVERY)) + 1)
                     start = self._cursor % len(order)
                     names.update(order[start:start + count])
                     names.update(order[:max(0, start + count - len(order))])
                     self._cursor = start + count
+                    # only last_seen moved (nothing named them): their parts get the new figure spliced in
+                    moved = {n: node.last_seen for n, node in nodes.items() if n not in names
+                             and (p := parts.get(n)) is not None and node.last_seen - p.seen >= p.step}
                 views = {n: node_view(nodes[n]) for n in names if n in nodes}
             if whole:
                 self._checked = now
-            self._apply(views, names - views.keys(), order)
+            self._apply(views, moved, names - views.keys(), order)
 
     def _keep_fresh(self) -> None:
         """Start the background thread if it is not running."""
@@ -218,27 +222,34 @@ class NodesCache:
         while time.monotonic() - self._asked < IDLE_AFTER:
             if time.monotonic() - self._checked >= self.cluster.map_max_age:
                 self._refresh(whole=True)
-            copy = self._whole
-            if self._gzip_wanted and copy is not None:
-                self._gzipped(copy)
+            if time.monotonic() - self._whole_asked < IDLE_AFTER:  # whole answers are asked for: make it ahead
+                with self._lock:
+                    copy = self._whole_copy()
+                if self._gzip_wanted:
+                    self._gzipped(copy)
             time.sleep(max(0.01, min(0.1, self.cluster.map_max_age / 4)))
 
-    def _apply(self, views: dict[str, dict[str, Any]], gone: set[str], order: list[str]) -> None:
-        """Re-encode the parts of ``views`` that changed, forget ``gone``; a new version if anything did."""
+    def _apply(self, views: dict[str, dict[str, Any]], moved: dict[str, float], gone: set[str],
+               order: list[str]) -> None:
+        """Re-encode the parts of ``views`` that changed, give ``moved`` their new ``last_seen``, forget ``gone``.
+
+        A new version if anything changed. A view that differs from its part only by a ``last_seen``
+        within its step is no change.
+        """
         version = self._version + 1
         changed = False
         for name, view in views.items():
-            part = self._parts.get(name)
-            seen = view["last_seen"]
-            if part is not None and seen - part.seen < part.step:
-                view["last_seen"] = part.seen  # the same as before but for last_seen, within its step: unchanged
-                if _encode(view) == part.encoded:
-                    continue
-                view["last_seen"] = seen
+            encoded, seen, part = _encode(view), view["last_seen"], self._parts.get(name)
+            if part is not None and seen - part.seen < part.step and _with_seen(part.encoded, seen) == encoded:
+                continue
             changed = True
             step = SEEN_STEP * (1 + (zlib.crc32(name.encode()) % 512) / 1024)
-            self._parts[name] = _Part(_encode(view), version, seen, step)
+            self._parts[name] = _Part(encoded, version, seen, step)
             self._removed.pop(name, None)
+        for name, seen in moved.items():
+            part = self._parts[name]
+            self._parts[name] = _Part(_with_seen(part.encoded, seen), version, seen, part.step)
+            changed = True
         for name in gone:
             if self._parts.pop(name, None) is not None:
                 changed = True
@@ -246,15 +257,29 @@ class NodesCache:
         while len(self._removed) > REMOVED_KEPT:
             oldest = next(iter(self._removed))
             self._floor = max(self._floor, self._removed.pop(oldest))
-        if not changed and self._whole is not None:
+        if not changed and self._started:
             return
-        self._version, self._order = version, order
-        head = json.dumps({"version": self._token(version), "full": True, "removed": []},
-                          separators=(",", ":")).encode()
-        body = head[:-1] + b',"nodes":[' + b",".join(self._parts[n].encoded for n in order) + b"]}"
-        self._whole = Copy(version, None, body, self._token(version))
-        self._deltas = {}
+        self._version, self._order, self._started = version, order, True
+        self._whole, self._deltas = None, {}
+
+    def _whole_copy(self) -> Copy:
+        """The whole map at the current version, joined from the parts once per version. Call under ``_lock``."""
+        if self._whole is None or self._whole.version != self._version:
+            head = json.dumps({"version": self._token(self._version), "full": True, "removed": []},
+                              separators=(",", ":")).encode()
+            body = head[:-1] + b',"nodes":[' + b",".join(self._parts[n].encoded for n in self._order) + b"]}"
+            self._whole = Copy(self._version, None, body, self._token(self._version))
+        return self._whole
 
 
 def _encode(view: dict[str, Any]) -> bytes:
     return json.dumps(view, separators=(",", ":")).encode()
+
+
+_SEEN, _RUNTIME = b',"last_seen":', b',"runtime":'
+
+
+def _with_seen(encoded: bytes, seen: float) -> bytes:
+    """A node's encoded part with ``last_seen`` replaced (in JSON a key's quotes never occur inside a string)."""
+    start = encoded.index(_SEEN) + len(_SEEN)
+    return encoded[:start] + json.dumps(seen).encode() + encoded[encoded.index(_RUNTIME, start):]

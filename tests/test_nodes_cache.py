@@ -226,3 +226,11 @@ def wait_until(check, timeout: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+@pytest.mark.parametrize("seen", [2.0, 1795705017.462123, 3, 1e-7])
+def test_a_spliced_last_seen_is_what_encoding_the_view_gives(seen) -> None:
+    """The background pass splices a new last_seen into a node's bytes; a name made to look like keys cannot fool it."""
+    view = {"name": 'n,"last_seen":1,"runtime":"x"', "state": "ready", "last_seen": 1.5, "runtime": "docker",
+            "gpus": [{"uuid": "GPU-1", "containers": ['c,"runtime":']}]}
+    assert nodes_cache._with_seen(nodes_cache._encode(view), seen) == nodes_cache._encode({**view, "last_seen": seen})
