@@ -113,15 +113,18 @@ class NodesCache:
         self._asked = time.monotonic()
         self._keep_fresh()
         copy = self.current(since)
-        if copy.etag in request.if_none_match:
+        packed = request.accept_encodings["gzip"] > 0 and len(copy.body) >= GZIP_MIN
+        # each encoding is its own representation, with its own strong ETag; either one names this copy
+        etag = copy.etag + "-gzip" if packed else copy.etag
+        if copy.etag in request.if_none_match or copy.etag + "-gzip" in request.if_none_match:
             reply = Response(status=304)
-        elif request.accept_encodings["gzip"] > 0 and len(copy.body) >= GZIP_MIN:
+        elif packed:
             self._gzip_wanted = self._gzip_wanted or copy.since is None
             reply = Response(self._gzipped(copy), mimetype="application/json")
             reply.headers["Content-Encoding"] = "gzip"
         else:
             reply = Response(copy.body, mimetype="application/json")
-        reply.set_etag(copy.etag)
+        reply.set_etag(etag)
         reply.headers["Cache-Control"] = "no-cache"  # a browser revalidates with the ETag: a 304 while unchanged
         reply.vary.add("Accept-Encoding")
         return reply

@@ -78,6 +78,9 @@ def test_gzip_only_when_asked_and_the_same_map(served) -> None:
     assert "Content-Encoding" not in plain.headers
     assert packed.headers["Content-Encoding"] == "gzip" and "Accept-Encoding" in packed.headers["Vary"]
     assert json.loads(gzip.decompress(packed.data)) == json.loads(plain.data)
+    assert packed.headers["ETag"] == plain.headers["ETag"][:-1] + '-gzip"', "one ETag per encoding"
+    for tag in (plain.headers["ETag"], packed.headers["ETag"]):  # either names the unchanged map
+        assert client.get("/v1/nodes", headers={"Accept-Encoding": "gzip", "If-None-Match": tag}).status_code == 304
     refused = client.get("/v1/nodes", headers={"Accept-Encoding": "gzip;q=0"})
     assert "Content-Encoding" not in refused.headers and json.loads(refused.data) == json.loads(plain.data)
 
