@@ -44,7 +44,9 @@ if TYPE_CHECKING:
 
 #: Bodies smaller than this go uncompressed: gzip would save less than it costs.
 GZIP_MIN = 1400
-GZIP_LEVEL = 5
+#: gzip's fastest level: on the whole map at 1,000 × 8 it takes 2.6 ms against level 5's 9.3 ms, for
+#: 17% more bytes (37 KB against 32 KB); the map changes often, so each copy is compressed afresh
+GZIP_LEVEL = 1
 #: A node is listed again once its ``last_seen`` moved this far (to 1.5 × this, spread by its name).
 SEEN_STEP = 2.0
 #: Every node's figures are compared whole this often while someone polls (a change no one named).
