@@ -43,6 +43,8 @@ class Part:
     #: A part that keeps one state file instead of a folder: ``--state DIR/FILE``.
     state_file: str | None = None
     restart: str = "on-failure"
+    #: Targets (or units) whose start pulls it in.
+    wanted_by: tuple[str, ...] = ("multi-user.target",)
 
 
 PARTS: dict[str, Part] = {
@@ -54,7 +56,7 @@ PARTS: dict[str, Part] = {
     "guard": Part("gpumgr guard: the Docker engine's authorization plugin refusing GPUs taken without a grant",
                   ("guard", "--socket", "/run/docker/plugins/gpumgr-guard.sock"), "gpumgr-guard",
                   after=("local-fs.target",), before=("docker.service",), state_file="guard-state.json",
-                  restart="always"),
+                  restart="always", wanted_by=("multi-user.target", "docker.service")),
 }
 
 
@@ -90,11 +92,16 @@ def command_path() -> list[str]:
     return [str(Path(sys.executable).absolute()), "-m", "gpumgr"]
 
 
-def unit(name: str, config: str | None = None, state_dir: str | None = None, env_file: str | None = None) -> str:
-    """The text of the systemd unit for part ``name``: settings come from ``config`` and ``env_file``."""
+def unit(name: str, config: str | None = None, state_dir: str | None = None, env_file: str | None = None,
+         command: tuple[str, ...] | None = None) -> str:
+    """The text of the systemd unit for part ``name``: settings come from ``config`` and ``env_file``.
+
+    ``command`` replaces the part's subcommand and fixed arguments (``plugin install --guard`` names
+    the socket it was given).
+    """
     part = PARTS[name]
     folder = state_dir or f"/var/lib/{part.state_directory}"
-    argv = [*command_path(), *part.command, *(["--state", f"{folder}/{part.state_file}"] if part.state_file
+    argv = [*command_path(), *(command or part.command), *(["--state", f"{folder}/{part.state_file}"] if part.state_file
                                                 else ["--state-dir", folder])]
     if config:
         argv += ["--config", str(Path(config).absolute())]
@@ -113,5 +120,5 @@ def unit(name: str, config: str | None = None, state_dir: str | None = None, env
         lines.append(f"EnvironmentFile={Path(env_file).absolute()}")
     lines += ["Environment=PYTHONUNBUFFERED=1", f"Restart={part.restart}", f"RestartSec={RESTART_SEC}",
               "KillSignal=SIGTERM", "KillMode=mixed", f"TimeoutStopSec={STOP_TIMEOUT}", "",
-              "[Install]", "WantedBy=multi-user.target", ""]
+              "[Install]", f"WantedBy={' '.join(part.wanted_by)}", ""]
     return "\n".join(lines)

@@ -11,14 +11,13 @@ import json
 import os
 import subprocess
 import sys
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gpumgr.client import Client, ManagerUnreachable, Stream
 from gpumgr.wire import defaults
+from gpumgr.wire.errors import GpumgrError
 from gpumgr.wire.names import LIVE, Env, Label
 from gpumgr.wire.units import format_bytes, parse_bytes
 
@@ -88,6 +87,10 @@ def run(argv: list[str]) -> int:
         return show_containers(client)
     if command == "service":
         return service(client, rest)
+    if command == "stack":
+        from gpumgr.plugin import stack  # YAML is read only here
+
+        return stack.stack(client, rest)
     raise PluginError(f"unknown command {command!r}; try 'docker gpu --help'")
 
 
@@ -101,6 +104,12 @@ Commands:
                  [docker service create options] IMAGE [CMD]
   service ps SERVICE      each replica: node, GPU, grant, usage, or why it waits
   service rm SERVICE...   (any other 'service' command is passed to 'docker service' unchanged)
+  stack deploy -c FILE [-c FILE...] [docker stack deploy options] STACK
+                          each service's x-gpumgr block (gpu_memory, gpus, priority, preemptible, queue,
+                          constraints, on_overrun; a top-level x-gpumgr gives defaults) becomes every
+                          replica's grant, as 'service create' gives it; the rest goes to 'docker stack deploy'
+  stack ps STACK          each replica: node, GPU, grant, usage, or why it waits
+  stack rm|ls ...         passed to 'docker stack' unchanged
   run --gpu-memory SIZE [--gpus N] [--node NODE] [--placement P] [--on-overrun A]
       [--priority N] [--preemptible] [--queue [--queue-timeout S]]
       [docker run options: -d --rm --name -e --env-file -l -v --mount --tmpfs -p --network --shm-size
@@ -137,49 +146,38 @@ Exceptions: the operator lists image IDs under guard_allow in the agent's YAML; 
 
 
 class Manager:
-    """The gpumgr manager's REST API, with errors turned into PluginError."""
+    """The manager's REST API through the Python client (:mod:`gpumgr.client`), its errors as PluginError."""
 
     def __init__(self, url: str | None) -> None:
         settings = _settings()
-        self.url = (url or os.environ.get(Env.MANAGER) or settings.get("manager") or DEFAULT_MANAGER).rstrip("/")
+        urls = url or os.environ.get(Env.MANAGER) or settings.get("manager") or DEFAULT_MANAGER
         token = os.environ.get(Env.TOKEN) or settings.get("token")
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            self.client = Client(str(urls), str(token) if token else None, TIMEOUT)
+        except GpumgrError as exc:
+            raise PluginError(f"{exc.message}; set --manager or GPUMGR_MANAGER") from None
+        self.url = self.client.api.url
 
     def call(self, method: str, path: str, *, params: dict[str, str] | None = None, json_body: Any = None) -> Any:
-        """One REST call (the standard library's client: this CLI should start fast)."""
-        url = self.url + path + (f"?{urllib.parse.urlencode(params)}" if params else "")
-        data = None if json_body is None else json.dumps(json_body).encode()
-        headers = {**self.headers, **({"Content-Type": "application/json"} if data is not None else {})}
-        request = urllib.request.Request(url, data=data, method=method, headers=headers)
+        """One REST call; its JSON answer."""
         try:
-            with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
-                return json.loads(response.read() or b"{}")
-        except urllib.error.HTTPError as exc:
-            raise _http_error(exc) from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise PluginError(f"cannot reach the gpumgr manager at {self.url} ({exc}); "
-                              "set --manager or GPUMGR_MANAGER") from None
+            return self.client.api.call(method, path, params=params, body=json_body)
+        except GpumgrError as exc:
+            raise _plugin_error(exc) from None
 
-
-    def stream(self, path: str, params: dict[str, str], accept: str) -> Any:
+    def stream(self, path: str, params: dict[str, str], accept: str) -> Stream:
         """A streamed GET (no read timeout: a quiet container may say nothing for hours), for ``with``."""
-        url = self.url + path + f"?{urllib.parse.urlencode(params)}"
-        request = urllib.request.Request(url, headers={**self.headers, "Accept": accept})
         try:
-            return urllib.request.urlopen(request)
-        except urllib.error.HTTPError as exc:
-            raise _http_error(exc) from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise PluginError(f"cannot reach the gpumgr manager at {self.url} ({exc})") from None
+            return self.client.api.stream(path, params, accept)
+        except GpumgrError as exc:
+            raise _plugin_error(exc) from None
 
 
-def _http_error(exc: urllib.error.HTTPError) -> PluginError:
-    """The manager's JSON error as one line: its message and code."""
-    try:
-        error = json.loads(exc.read()).get("error", {})
-    except (ValueError, AttributeError):
-        error = {}
-    return PluginError(f"{error.get('message', exc.reason)} ({error.get('code', exc.code)})")
+def _plugin_error(exc: GpumgrError) -> PluginError:
+    """The client's error as one line: the manager's message and code, or why no manager could be reached."""
+    if isinstance(exc, ManagerUnreachable):
+        return PluginError(f"{exc.message}; set --manager or GPUMGR_MANAGER")
+    return PluginError(f"{exc.message} ({exc.code})")
 
 
 # --- service ---------------------------------------------------------------------------------
@@ -192,10 +190,23 @@ def service(client: Manager, argv: list[str]) -> int:
     return _docker(["service", *argv])
 
 
+#: ``docker gpu service create``'s own options: name → whether it takes a value. The rest go to Docker.
+SERVICE_OPTIONS = {"--gpu-memory": True, "--gpus": True, "--on-overrun": True, "--priority": True,
+                   "--preemptible": False, "--queue": False}
+
+
 def service_create(client: Manager, argv: list[str]) -> int:
     """Check the request against the map, then create the service with the task templates added."""
-    ours, passthrough = _take_options(argv, {"--gpu-memory": True, "--gpus": True, "--on-overrun": True,
-                                             "--priority": True, "--preemptible": False, "--queue": False})
+    ours, passthrough = _take_options(argv, SERVICE_OPTIONS)
+    return _docker(["service", "create", *grant_args(client, ours), *passthrough])
+
+
+def grant_args(client: Manager, ours: dict[str, str]) -> list[str]:
+    """``docker service create`` options that give each replica the grant ``ours`` asks for (also used by stacks).
+
+    The request travels in the task's environment, which the runtime hook reads when the node creates the
+    task's container, with Swarm's templates naming the task; the service's labels say it for people.
+    """
     if "--gpu-memory" not in ours:
         raise PluginError("--gpu-memory is required, e.g. --gpu-memory 6GiB")
     memory, count = _memory(ours["--gpu-memory"]), _count(ours.get("--gpus", "1"))
@@ -218,15 +229,20 @@ def service_create(client: Manager, argv: list[str]) -> int:
     if "--queue" in ours:
         # a replica with no room waits in its create, shown as pending by 'docker gpu service ps'
         extra.append(f"--env={Env.REQUEST_QUEUE}=1")
-    return _docker(["service", "create", *extra, *passthrough])
+    return extra
 
 
 def service_ps(client: Manager, argv: list[str]) -> int:
     """Each task of the service with its grant and usage, or the reason it has none."""
     name = argv[-1]
     tasks = _docker_json(["service", "ps", "--no-trunc", "--format", "{{json .}}", name])
-    grants = {r["labels"].get(Label.TASK): r for r in client.call("GET", "/v1/containers",
-                                                                        params={"service": name})["containers"]}
+    print_tasks(tasks, client.call("GET", "/v1/containers", params={"service": name})["containers"])
+    return 0
+
+
+def print_tasks(tasks: list[dict[str, Any]], records: list[dict[str, Any]]) -> None:
+    """Swarm's ``tasks`` (``docker service ps`` JSON lines) as a table with each one's grant from ``records``."""
+    grants = {r["labels"].get(Label.TASK): r for r in records}
     rows = [("TASK", "NODE", "STATE", "GPU", "GRANT", "USED", "NOTE")]
     for task in tasks:
         record: Any = grants.get(task["ID"])  # a record from the manager's JSON, or None
@@ -244,7 +260,6 @@ def service_ps(client: Manager, argv: list[str]) -> int:
                      format_bytes(record["gpu_memory"]) if live else "-",
                      format_bytes(record["gpu_memory_used"]) if live else "-", note))
     _print_table(rows)
-    return 0
 
 
 def _check_fits_somewhere(client: Manager, memory: int, count: int) -> None:
@@ -339,4 +354,7 @@ def _settings() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the imported module's main, not this __main__ copy's: then one PluginError class is raised and caught
+    from gpumgr.plugin.docker_gpu import main as _main
+
+    sys.exit(_main())

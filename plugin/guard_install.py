@@ -47,21 +47,10 @@ UNIT_NAME = f"{PLUGIN}.service"
 STATE = "/etc/gpumgr/guard-install.json"
 #: Seconds to wait for the engine to stop listing the guard after a reload.
 RELOAD_WAIT = 30.0
-UNIT = """# installed by 'gpumgr plugin install --guard'
-[Unit]
-Description=gpumgr guard: the Docker engine's authorization plugin refusing GPUs taken without a gpumgr grant
-Documentation=https://github.com/gpumgr/gpumgr#the-guard
-Before=docker.service
-After=local-fs.target
-
-[Service]
-ExecStart={python} -m gpumgr guard --config {config} --socket {socket}
-Restart=always
-RestartSec=1
-
-[Install]
-WantedBy=multi-user.target docker.service
-"""
+#: The first line of a guard unit gpumgr wrote (``gpumgr generate systemd guard`` writes the same unit),
+#: and that of units written by earlier versions: only such a file is replaced or removed.
+UNIT_MARKS = (f"# {UNIT_NAME}, written by: gpumgr generate systemd guard".encode(),
+              b"# installed by 'gpumgr plugin install --guard'")
 
 
 #: The engine ``--docker-host`` names when it is not given (install's option, shared).
@@ -153,11 +142,14 @@ def _change_daemon_json(command: str, change: Callable[[Path, Path, str], list[s
 
 
 def _write_unit(args: argparse.Namespace, unit: Path) -> str:
-    text = UNIT.format(python=sys.executable, config=args.agent_config, socket=args.guard_socket)
+    """The guard's unit, the one ``gpumgr generate systemd guard`` prints, naming this install's socket."""
+    from gpumgr.systemd import unit as unit_text
+
+    text = unit_text("guard", config=args.agent_config, command=("guard", "--socket", args.guard_socket))
     if read_bytes(unit) == text.encode():
         return f"{unit} is already the guard's unit"
     existing = read_bytes(unit)
-    if existing is not None and not existing.startswith(b"# installed by 'gpumgr plugin install --guard'"):
+    if existing is not None and not existing.startswith(UNIT_MARKS):
         raise Refused(f"{unit} exists and was not written by gpumgr")
     try:
         apply([Change(unit, text.encode(), 0o644)])
@@ -291,7 +283,7 @@ def _wait_unlisted(docker_host: str, name: str) -> bool:
 def _stop_unit(unit: Path) -> str:
     """Stop and remove the guard's unit (only one this command wrote)."""
     text = read_bytes(unit)
-    if text is None or not text.startswith(b"# installed by"):
+    if text is None or not text.startswith(UNIT_MARKS):
         return "no guard unit of gpumgr's to stop; stop 'gpumgr guard' if you started it by hand"
     systemctl = shutil.which("systemctl")
     if systemctl and os.path.isdir("/run/systemd/system"):

@@ -15,6 +15,8 @@ from typing import Any
 
 import requests
 
+from gpumgr.client import Client, ManagerUnreachable
+
 ROOT = Path(__file__).resolve().parent.parent
 #: Every node name a test started an agent for: cleanup removes only their containers, never others'.
 TEST_NODES: set[str] = set()
@@ -88,7 +90,11 @@ class Proc:
 
 
 class ManagerProc(Proc):
-    """``gpumgr manager`` on free loopback ports, with a REST helper."""
+    """``gpumgr manager`` on free loopback ports.
+
+    ``client`` is the Python client (:mod:`gpumgr.client`) on its API, which the helpers below use;
+    ``get``, ``post`` and ``delete`` are raw ``requests`` calls for tests that check the HTTP answer itself.
+    """
 
     def __init__(self, tmp: Path, *extra: str, env: dict[str, str] | None = None, api_port: int | None = None,
                  agent_port: int | None = None) -> None:
@@ -97,11 +103,20 @@ class ManagerProc(Proc):
         self.url = f"http://127.0.0.1:{self.api_port}"
         self.endpoint = f"tcp://127.0.0.1:{self.agent_port}"
         self.http = requests.Session()
+        self._client = Client(self.url, timeout=30)
+        self._probe = Client(self.url, timeout=1)
         self.state_dir = tmp / f"manager-state-{self.api_port}"
         super().__init__(["manager", "--api", f"127.0.0.1:{self.api_port}", "--agents", self.endpoint,
                           "--state-dir", str(self.state_dir), *extra],
                          tmp / f"manager-{self.api_port}.log", env)
         wait_for(self._healthy, START_TIMEOUT, what=f"manager to answer:\n{self.output}")
+
+    @property
+    def client(self) -> Client:
+        """The Python client, with the token the test gave ``http`` (``manager.http.headers["Authorization"]``)."""
+        auth = str(self.http.headers.get("Authorization", ""))
+        self._client.api.token = auth.removeprefix("Bearer ") or None
+        return self._client
 
     def token(self) -> str:
         """The join token, as ``gpumgr join-token`` prints it (read from the same state directory)."""
@@ -113,8 +128,8 @@ class ManagerProc(Proc):
         if self.popen.poll() is not None:
             raise AssertionError(f"manager exited with {self.popen.returncode}:\n{self.output()}")
         try:
-            return self.http.get(f"{self.url}/healthz", timeout=1).ok
-        except requests.ConnectionError:
+            return self._probe.health()["status"] == "ok"
+        except ManagerUnreachable:  # not listening yet, or too busy starting to answer within a second
             return False
 
     def get(self, path: str, **kw: Any) -> requests.Response:
@@ -128,19 +143,22 @@ class ManagerProc(Proc):
 
     def node(self, name: str) -> dict[str, Any] | None:
         """The node ``name`` from ``GET /v1/nodes``, or None."""
-        return next((n for n in self.get("/v1/nodes").json()["nodes"] if n["name"] == name), None)
+        return next((n for n in self._nodes() if n["name"] == name), None)
 
     def gpu(self, uuid: str) -> dict[str, Any]:
         """One GPU's entry on the map."""
-        for node in self.get("/v1/nodes").json()["nodes"]:
+        for node in self._nodes():
             for gpu in node["gpus"]:
                 if gpu["uuid"] == uuid:
                     return gpu
         raise AssertionError(f"GPU {uuid} not on the map")
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
-        params = {"type": kind} if kind else {}
-        return self.get("/v1/events", params=params).json()["events"]
+        """Every event still kept (of type ``kind``), as JSON objects."""
+        return [e.raw for e in self.client.events(since=0, types=[kind] if kind else None, follow=False)]
+
+    def _nodes(self) -> list[dict[str, Any]]:
+        return list(self.client.api.call("GET", "/v1/nodes")["nodes"])
 
 
 class AgentProc(Proc):

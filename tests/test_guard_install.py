@@ -42,7 +42,11 @@ def test_install_puts_the_guard_in_force_and_uninstall_takes_it_out_before_stopp
         done = plugin_command("install", tmp_path, engine, str(guard.socket), "--guard", "--reload")
         assert done.returncode == 0, done.stderr
         assert f"added {guard.name} to authorization-plugins" in done.stdout
-        assert (tmp_path / "systemd" / "gpumgr-guard.service").read_text().count("gpumgr guard --config") == 1
+        # the unit is the one 'gpumgr generate systemd guard' prints, on the socket this install was given
+        unit = (tmp_path / "systemd" / "gpumgr-guard.service").read_text()
+        (start,) = [line for line in unit.splitlines() if line.startswith("ExecStart=")]
+        assert f"guard --socket {guard.socket} --state /var/lib/gpumgr-guard/guard-state.json --config" in start
+        assert "WantedBy=multi-user.target docker.service" in unit and "Before=docker.service" in unit
         assert json.loads((engine.dir / "daemon.json").read_text())["authorization-plugins"] == [guard.name]
         denied = engine.docker("create", "--privileged", IMAGE, "true", check=False)
         assert "gpumgr guard:" in denied.stderr, denied.stderr

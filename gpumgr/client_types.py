@@ -1,0 +1,208 @@
+"""The typed records :mod:`gpumgr.client` returns: a container, a node and its GPUs, an event, a wait's end.
+
+Each mirrors one response shape of the REST API (``manager/openapi.py``) and is built from its JSON by
+``from_json``. ``raw`` keeps the whole JSON object, so a field a newer manager adds is still reachable
+(``record.raw["new_field"]``) before this module names it. Kept apart from the client's transport so
+that ``docker gpu``, which talks JSON, does not pay for ``dataclasses`` at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpumgr.client import ContainerCollection
+
+
+@dataclass(frozen=True)
+class GpuRef:
+    """A GPU a container holds; ``index`` and ``name`` are None once its node is forgotten."""
+
+    uuid: str
+    index: int | None
+    name: str | None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GpuRef:
+        return cls(uuid=data["uuid"], index=data.get("index"), name=data.get("name"))
+
+
+@dataclass(frozen=True)
+class QueuePlace:
+    """Where a queued request stands: its 1-based ``position`` of ``length``, seconds ``waited``."""
+
+    position: int | None
+    length: int
+    effective_priority: float
+    waited: float
+    expires_at: float | None
+    making_room: list[str]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> QueuePlace:
+        return cls(position=data.get("position"), length=data["length"],
+                   effective_priority=data["effective_priority"], waited=data["waited"],
+                   expires_at=data.get("expires_at"), making_room=list(data.get("making_room") or []))
+
+
+@dataclass(frozen=True)
+class Container:
+    """A container and its grant, as ``GET /v1/containers/{id}`` shows it (sizes in bytes).
+
+    The methods act on the container through the client that fetched it and return fresh records;
+    the record itself never changes (``reload()`` gives the current one).
+    """
+
+    id: str
+    name: str
+    node: str | None
+    tenant: str | None
+    state: str
+    desired_state: str
+    gpus: list[GpuRef]
+    gpu_count: int
+    gpu_memory: int
+    gpu_memory_used: int
+    gpu_memory_peak: int
+    gpu_memory_held: int
+    priority: int
+    preemptible: bool
+    container_id: str | None
+    exit_code: int | None
+    reason: str | None
+    created_at: float
+    finished_at: float | None
+    image: str | None
+    command: list[str]
+    labels: dict[str, str]
+    on_overrun: str
+    queue: QueuePlace | None
+    queued_at: float | None
+    confirm_by: float | None
+    preempted_for: str | None
+    operation: str | None
+    detail: dict[str, Any]
+    raw: dict[str, Any] = field(repr=False, compare=False)
+    _collection: ContainerCollection | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], collection: ContainerCollection | None = None) -> Container:
+        queue = data.get("queue")
+        return cls(
+            id=data["id"], name=data["name"], node=data.get("node"), tenant=data.get("tenant"), state=data["state"],
+            desired_state=data.get("desired_state", "running"), gpus=[GpuRef.from_json(g) for g in data["gpus"]],
+            gpu_count=data["gpu_count"], gpu_memory=data["gpu_memory"], gpu_memory_used=data["gpu_memory_used"],
+            gpu_memory_peak=data["gpu_memory_peak"], gpu_memory_held=data.get("gpu_memory_held", 0),
+            priority=data["priority"], preemptible=data["preemptible"], container_id=data.get("container_id"),
+            exit_code=data.get("exit_code"), reason=data.get("reason"), created_at=data["created_at"],
+            finished_at=data.get("finished_at"), image=data.get("image"), command=list(data.get("command") or []),
+            labels=dict(data.get("labels") or {}), on_overrun=data["on_overrun"],
+            queue=QueuePlace.from_json(queue) if queue else None, queued_at=data.get("queued_at"),
+            confirm_by=data.get("confirm_by"), preempted_for=data.get("preempted_for"),
+            operation=data.get("operation"), detail=dict(data.get("detail") or {}),
+            raw=data, _collection=collection)
+
+    def _through(self) -> ContainerCollection:
+        if self._collection is None:
+            raise RuntimeError("this record was not fetched through a client")
+        return self._collection
+
+    def reload(self) -> Container:
+        """The container's record as the manager has it now."""
+        return self._through().get(self.id)
+
+    def remove(self) -> Container:
+        """Stop and remove it (or withdraw it from the queue); its grant is freed."""
+        return self._through().remove(self.id)
+
+    def resize(self, gpu_memory: int | str, *, force: bool = False) -> Container:
+        """Grow or shrink its grant in place."""
+        return self._through().resize(self.id, gpu_memory, force=force)
+
+    def wait(self, timeout: float | None = None) -> WaitResult:
+        """Block until it ends (or ``timeout`` seconds pass)."""
+        return self._through().wait(self.id, timeout=timeout)
+
+    def kill(self, signal: str = "SIGKILL") -> str:
+        """Send ``signal`` to it; the signal as sent."""
+        return self._through().kill(self.id, signal)
+
+    def logs(self, tail: int | None = None) -> bytes:
+        """Its output so far (stdout and stderr together)."""
+        return self._through().logs(self.id, tail=tail)
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU on the map and its memory split, in bytes; ``containers`` holds the grant ids on it."""
+
+    uuid: str
+    index: int
+    name: str
+    memory_total: int
+    memory_used: int
+    memory_reserved: int
+    memory_unmanaged: int
+    memory_headroom: int
+    memory_free: int
+    containers: list[str]
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Gpu:
+        return cls(uuid=data["uuid"], index=data["index"], name=data["name"], memory_total=data["memory_total"],
+                   memory_used=data["memory_used"], memory_reserved=data["memory_reserved"],
+                   memory_unmanaged=data["memory_unmanaged"], memory_headroom=data.get("memory_headroom", 0),
+                   memory_free=data["memory_free"], containers=list(data.get("containers") or []), raw=data)
+
+
+@dataclass(frozen=True)
+class Node:
+    """A host with an agent: ``state`` is ``ready`` or ``down``."""
+
+    name: str
+    state: str
+    last_seen: float
+    runtime: str
+    gpus: list[Gpu]
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Node:
+        return cls(name=data["name"], state=data["state"], last_seen=data["last_seen"], runtime=data["runtime"],
+                   gpus=[Gpu.from_json(g) for g in data["gpus"]], raw=data)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event; ``raw`` also holds what an event about a container carries beyond these (labels, detail)."""
+
+    id: int
+    time: float
+    type: str
+    node: str | None
+    container: str | None
+    message: str
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Event:
+        return cls(id=data["id"], time=data["time"], type=data["type"], node=data.get("node"),
+                   container=data.get("container"), message=data.get("message", ""), raw=data)
+
+
+@dataclass(frozen=True)
+class WaitResult:
+    """How a container ended; ``ended`` is False when the wait's timeout passed first."""
+
+    id: str
+    state: str
+    exit_code: int | None
+    reason: str | None
+    ended: bool
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> WaitResult:
+        return cls(id=data["id"], state=data["state"], exit_code=data.get("exit_code"), reason=data.get("reason"),
+                   ended=bool(data["ended"]))
