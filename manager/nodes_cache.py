@@ -202,7 +202,10 @@ class NodesCache:
                 names.update(n for n in order if n not in parts)
                 moved: dict[str, float] = {}
                 if whole and order:
-                    count = min(len(order), int(len(order) * min(1.0, (now - self._checked) / SCAN_EVERY)) + 1)
+                    # a slice for the time since the last pass, a second's worth at most (after an idle spell
+                    # the lock is not held for a whole map's views at once)
+                    share = min(1.0, now - self._checked) / SCAN_EVERY
+                    count = min(len(order), int(len(order) * share) + 1)
                     start = self._cursor % len(order)
                     names.update(order[start:start + count])
                     names.update(order[:max(0, start + count - len(order))])
