@@ -15,7 +15,7 @@
   const state = {
     nodes: [],
     nodesByName: new Map(), // the map as held: the whole of one answer, then the changes of each next one
-    nodesVersion: "", // the map's version of the last answer: the next asks only for what changed since
+    nodesVersion: "", // the map's version of the last answer: the next asks only for what changed since (issue 20)
     containers: [],
     events: [],
     lastEventId: 0,
@@ -96,7 +96,7 @@
   }
 
   function setToken(value) {
-    state.nodesVersion = ""; // another caller may see another map: read it whole
+    state.nodesVersion = ""; // another caller may see another map: read it whole (issue 20)
     try {
       if (value) sessionStorage.setItem(TOKEN_KEY, value);
       else sessionStorage.removeItem(TOKEN_KEY);
@@ -175,12 +175,12 @@
     try {
       // the nodes first: without a (valid) token one 401 is enough to ask for it
       const changes = state.nodesVersion ? "?since=" + encodeURIComponent(state.nodesVersion) : "";
-      const nodes = await api("/v1/nodes" + changes);
+      const nodes = await api("/v1/nodes" + changes); // issue 20
       const [containers, events] = await Promise.all([
         api("/v1/containers"),
         api("/v1/events?since=" + encodeURIComponent(since)),
       ]);
-      mergeNodes(nodes);
+      mergeNodes(nodes); // issue 20
       state.containers = Array.isArray(containers.containers) ? containers.containers : [];
       mergeEvents(Array.isArray(events.events) ? events.events : [], resync);
       state.lastOk = Date.now() / 1000;
@@ -188,7 +188,7 @@
       setStatus("live", "ok");
       render();
     } catch (err) {
-      state.nodesVersion = ""; // the next poll reads the whole map again
+      state.nodesVersion = ""; // the next poll reads the whole map again (issue 20)
       if (err instanceof Unauthorized) {
         askForToken(Boolean(token()));
         return;
@@ -206,7 +206,7 @@
     for (const node of listed) state.nodesByName.set(node.name, node);
     state.nodes = Array.from(state.nodesByName.values());
     state.nodesVersion = answer && typeof answer.version === "string" ? answer.version : "";
-  }
+  } // issue 20
 
   function mergeEvents(fresh, whole) {
     if (whole) {
@@ -450,7 +450,7 @@
       state.signature = "";
       state.nodes = [];
       state.nodesByName = new Map();
-      state.nodesVersion = "";
+      state.nodesVersion = ""; // issue 20
       state.containers = [];
       state.events = [];
       state.lastEventId = 0;
