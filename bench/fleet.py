@@ -19,6 +19,9 @@ Phases, one after the other on the same manager:
    its Join (answered on the link thread behind every queued heartbeat).
 3. **polled**: the same, while another process GETs ``/v1/nodes`` at ``--poll-hz``; its latency,
    the body's size and the manager's CPU. ``--poll-etag`` makes the poller send ``If-None-Match``.
+   Then **polled since**: the same again, the poller sending the last answer's version as ``?since=``
+   (the changes only; a tree without versions is polled whole). Then, as the machine's floor, the
+   same with ``GET /healthz`` (a few bytes, no map) polled instead.
 4. **placements**: ``--placements`` containers created over REST by ``--clients`` threads of another
    process (gpus 1, then gpus 2-4), then removed; placements per second, and every grant freed.
 
@@ -34,7 +37,9 @@ alternating ``--reps`` times, and reports both and their ratios.
 from __future__ import annotations
 
 import argparse
+import gzip
 import heapq
+import json
 import multiprocessing
 import os
 import random
@@ -254,20 +259,28 @@ class Fleet:
 
 
 # --- the other process: REST load ------------------------------------------------------------------
-def poll_nodes(url: str, hz: float, seconds: float, etag: bool, out: Any) -> None:
-    """GET ``/v1/nodes`` at ``hz`` for ``seconds`` (fixed rate); put (latencies, statuses, sizes) on ``out``."""
-    session, latencies, statuses, sizes, tag = requests.Session(), [], [], [], None
+def poll_nodes(url: str, path: str, hz: float, seconds: float, etag: bool, since: bool, out: Any) -> None:
+    """GET ``path`` at ``hz`` for ``seconds`` (fixed rate); put (latencies, statuses, sizes) on ``out``.
+
+    ``since``: as a dashboard keeping the map does, send the last answer's version as ``?since=`` (a tree
+    whose answers carry no version is polled whole). The latency is to the last byte, before decoding.
+    """
+    session, latencies, statuses, sizes, tag, version = requests.Session(), [], [], [], None, None
     start = time.perf_counter()
     for i in range(int(hz * seconds)):
         time.sleep(max(0.0, start + i / hz - time.perf_counter()))
         headers = {"If-None-Match": tag} if etag and tag else {}
+        params = {"since": version} if since and version else None
         t0 = time.perf_counter()
-        reply = session.get(f"{url}/v1/nodes", headers=headers, timeout=30, stream=True)
+        reply = session.get(f"{url}{path}", headers=headers, params=params, timeout=30, stream=True)
         raw = reply.raw.read(decode_content=False)
         latencies.append(time.perf_counter() - t0)
         statuses.append(reply.status_code)
         sizes.append(len(raw))
         tag = reply.headers.get("ETag", tag)
+        if since and reply.status_code == 200:
+            text = gzip.decompress(raw) if reply.headers.get("Content-Encoding") == "gzip" else raw
+            version = json.loads(text).get("version")
     out.put((latencies, statuses, sizes))
 
 
@@ -378,12 +391,16 @@ def run(args: argparse.Namespace, retry: str, pythonpath: Path | None = None) ->
         fleet.round_trips.clear()
         _, cpu = cpu_share(manager.pid, lambda: fleet.run(time.perf_counter() + args.steady, args.probe_hz))
         out["heartbeats"] = {"manager_cpu": cpu, "round_trip_s": list(fleet.round_trips)}
-        fleet.round_trips.clear()
-        child, queue = in_child(poll_nodes, url, args.poll_hz, args.steady, args.poll_etag, timeout=args.timeout)
-        (latencies, statuses, sizes), cpu = cpu_share(
-            manager.pid, lambda: serve_while(fleet, child, queue, args.probe_hz, args.steady + args.timeout))
-        out["polled"] = {"manager_cpu": cpu, "latency_s": latencies, "statuses": statuses, "bytes": sizes,
-                         "round_trip_s": list(fleet.round_trips)}
+        for phase, path, since in (("polled", "/v1/nodes", False), ("polled since", "/v1/nodes", True),
+                                   ("polled healthz", "/healthz", False)):
+            fleet.round_trips.clear()
+            child, queue = in_child(poll_nodes, url, path, args.poll_hz, args.steady, args.poll_etag, since,
+                                    timeout=args.timeout)
+            (latencies, statuses, sizes), cpu = cpu_share(
+                manager.pid, lambda c=child, q=queue: serve_while(fleet, c, q, args.probe_hz,
+                                                                  args.steady + args.timeout))
+            out[phase] = {"manager_cpu": cpu, "latency_s": latencies, "statuses": statuses, "bytes": sizes,
+                          "round_trip_s": list(fleet.round_trips)}
         for name, gpus in (("placements gpus=1", [1]), ("placements gpus=2..4", [2, 3, 4])):
             child, queue = in_child(place_many, url, args.placements, args.clients, gpus, timeout=args.timeout)
             placed, cpu = cpu_share(manager.pid, lambda c=child, q=queue: serve_while(fleet, c, q, 0, args.timeout))
@@ -418,17 +435,18 @@ def report(args: argparse.Namespace, out: dict[str, Any], title: str) -> None:
         ["manager CPU meanwhile (cores)", h["manager_cpu"]],
         ["this process (the fleet) meanwhile (cores)", h["fleet_cpu"]]], lead="\n")
     rows = []
-    for phase in ("heartbeats", "polled"):
+    for phase in ("heartbeats", "polled", "polled since", "polled healthz"):
         rt = summary(out[phase]["round_trip_s"], 1e3) if out[phase]["round_trip_s"] else {"p50": 0, "p99": 0, "max": 0}
         rows.append([f"{phase}: manager CPU (cores)", out[phase]["manager_cpu"], "", ""])
         rows.append([f"{phase}: link round trip ms p50/p99/max", rt["p50"], f"{rt['p99']:8.2f}", f"{rt['max']:8.2f}"])
-    lat = summary(out["polled"]["latency_s"], 1e3)
-    rows.append([f"GET /v1/nodes at {args.poll_hz:g} Hz: ms p50/p99/max", lat["p50"], f"{lat['p99']:8.2f}",
-                 f"{lat['max']:8.2f}"])
-    sizes = out["polled"]["bytes"]
-    rows.append(["GET /v1/nodes body bytes (median)", sorted(sizes)[len(sizes) // 2], "", ""])
-    codes = sorted(set(out["polled"]["statuses"]))
-    rows.append([f"GET /v1/nodes statuses {codes}", len(out["polled"]["statuses"]), "", ""])
+    for phase, form in (("polled", "/v1/nodes"), ("polled since", "/v1/nodes?since="), ("polled healthz", "/healthz")):
+        lat = summary(out[phase]["latency_s"], 1e3)
+        rows.append([f"GET {form} at {args.poll_hz:g} Hz: ms p50/p99/max", lat["p50"],
+                     f"{lat['p99']:8.2f}", f"{lat['max']:8.2f}"])
+        sizes = out[phase]["bytes"]
+        rows.append([f"GET {form} body bytes (median)", sorted(sizes)[len(sizes) // 2], "", ""])
+        codes = sorted(set(out[phase]["statuses"]))
+        rows.append([f"GET {form} statuses {codes}", len(out[phase]["statuses"]), "", ""])
     for name in ("placements gpus=1", "placements gpus=2..4"):
         p = out[name]
         lat = summary(p["latencies"], 1e3)
@@ -445,6 +463,8 @@ def report(args: argparse.Namespace, out: dict[str, Any], title: str) -> None:
 def headline(out: dict[str, Any]) -> dict[str, float]:
     """The figures the goals name, of one run."""
     polled = summary(out["polled"]["latency_s"], 1e3)
+    since = summary(out["polled since"]["latency_s"], 1e3)
+    health = summary(out["polled healthz"]["latency_s"], 1e3)
     quiet = summary(out["heartbeats"]["round_trip_s"], 1e3)
     return {"herd: all Registered s": out["herd"]["all_registered_s"],
             "herd: all ready in GET /v1/nodes s": out["herd"]["all_ready_s"],
@@ -455,6 +475,10 @@ def headline(out: dict[str, Any]) -> dict[str, float]:
             "polled: manager CPU cores": out["polled"]["manager_cpu"],
             "polled: GET /v1/nodes p50 ms": polled["p50"], "polled: GET /v1/nodes p99 ms": polled["p99"],
             "polled: GET /v1/nodes bytes": float(sorted(out["polled"]["bytes"])[len(out["polled"]["bytes"]) // 2]),
+            "polled since: manager CPU cores": out["polled since"]["manager_cpu"],
+            "polled since: GET p50 ms": since["p50"], "polled since: GET p99 ms": since["p99"],
+            "polled since: GET bytes": float(median(out["polled since"]["bytes"])),
+            "control: GET /healthz p50 ms": health["p50"], "control: GET /healthz p99 ms": health["p99"],
             **{f"{name}: per s": len(out[name]["statuses"]) / out[name]["elapsed"]
                for name in ("placements gpus=1", "placements gpus=2..4")}}
 

@@ -8,21 +8,28 @@ bounded list of finished records doing their real work) for ``spread`` and ``bin
 reference, and so are the multi-GPU path (``gpus`` 2 and 4, any node), and the cost of one node's
 heartbeat (8 GPU samples, no container reports) on the same map.
 
+``--tree REV`` runs this script on the whole tree of git revision ``REV`` (every module of the map:
+ledger, lifecycle, events, records; laid out from ``git archive``, old layouts included) and on this
+tree, each in a process of its own, alternating ``--reps`` times, and reports both and their ratios.
+
 ``--against REV`` times the scheduler module of git revision ``REV`` (``manager/scheduler.py`` as it
 was there) side by side in the same process: a second map is built with it, the same seeds, and every
 measurement alternates between the two, so the ratios are of one run on one machine.
 
     python bench/scheduler.py [--nodes 1000] [--gpus 8] [--fill 0.8] [--reps 7] [--seconds 1.0]
-                              [--against main] [--json out.json]
+                              [--against main | --tree cb6fc3b] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -188,6 +195,73 @@ def spread_of_ties(module: types.ModuleType, nodes: int, gpus: int, requests: in
     return len(used)
 
 
+#: Runs this script on a staged tree: ``python -c DRIVER TREE ROOT LAYOUT ARGS...``. A tree of the old
+#: layout (top-level ``manager``, ``wire``) is imported under the names this script uses.
+DRIVER = """
+import importlib, sys, types
+tree, root, old, argv = sys.argv[1], sys.argv[2], sys.argv[3] == "old", sys.argv[4:]
+sys.path.insert(0, tree)
+if old:
+    sys.modules["gpumgr"] = types.ModuleType("gpumgr")
+    sys.modules["gpumgr"].__path__ = []
+    for name in ("manager", "wire", "manager.scheduler", "manager.cluster", "wire.defaults", "wire.errors",
+                 "wire.protocol"):
+        sys.modules["gpumgr." + name] = importlib.import_module(name)
+else:
+    import gpumgr.manager.cluster
+sys.path.insert(1, root)
+import bench.scheduler
+sys.exit(bench.scheduler.main(argv))
+"""
+
+
+def stage_tree(rev: str, into: Path) -> tuple[Path, str]:
+    """Git revision ``rev`` laid out for import; returns the path to put first and its layout (new or old)."""
+    tree = into / "tree"
+    tree.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    if not (tree / "gpumgr" / "__init__.py").exists():
+        return tree, "old"
+    package = into / "path" / "gpumgr"
+    package.mkdir(parents=True)
+    for file in (tree / "gpumgr").glob("*.py"):
+        (package / file.name).symlink_to(file)
+    for part in ("manager", "agent", "plugin", "wire"):
+        (package / part).symlink_to(tree / part)
+    return into / "path", "new"
+
+
+def trees(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--tree REV``: this script on REV's tree and on this one, each in its own process, alternating."""
+    passed = [a for a in argv if not a.startswith("--tree") and a != args.tree]
+    passed = [a for i, a in enumerate(passed) if a != "--reps" and (i == 0 or passed[i - 1] != "--reps")]
+    passed = [a for i, a in enumerate(passed) if a != "--json" and (i == 0 or passed[i - 1] != "--json")]
+    rates: dict[str, dict[str, list[float]]] = {f"before ({args.tree})": {}, "after (this tree)": {}}
+    with tempfile.TemporaryDirectory(prefix="gpumgr-sched-tree-") as tmp:
+        path, layout = stage_tree(args.tree, Path(tmp))
+        commands = {f"before ({args.tree})": [sys.executable, "-P", "-c", DRIVER, str(path), str(ROOT), layout],
+                    "after (this tree)": [sys.executable, str(Path(__file__).resolve())]}
+        for rep in range(args.reps):
+            for name in list(commands) if rep % 2 == 0 else list(commands)[::-1]:
+                out = Path(tmp) / "rep.json"
+                env = {**os.environ, "PYTHONPATH": ""}
+                subprocess.run([*commands[name], *passed, "--reps", "1", "--json", str(out)], check=True, env=env,
+                               stdout=subprocess.DEVNULL)
+                for row in json.loads(out.read_text())["results"]:
+                    rates[name].setdefault(row["name"], []).append(row["median_per_s"])
+                print(f"  rep {rep + 1}/{args.reps}: {name} done", file=sys.stderr)
+    before, after = rates.values()
+    names = [n for n in after if n in before]
+    rows = [[n, median(before[n]), median(after[n]), median(after[n]) / median(before[n])] for n in names]
+    table([("measurement (medians of --reps runs)", "42"), ("before/s", "12,.0f"), ("after/s", "12,.0f"),
+           ("after/before", "12.2f")], rows, lead="\n")
+    print(f"load average now: {os.getloadavg()}")
+    save(args.json, "scheduler-trees", args, tree=args.tree, rates=rates,
+         ratios={r[0]: r[3] for r in rows})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=1000)
@@ -200,8 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--target", type=float, default=50_000, help="place+release/s target")
     parser.add_argument("--against", metavar="REV", help="also time the scheduler of this git revision, side by side")
+    parser.add_argument("--tree", metavar="REV", help="run this script on the whole tree of this revision and on "
+                        "this one, alternating, each in its own process")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    if args.tree:
+        return trees(args, list(sys.argv[1:] if argv is None else argv))
 
     variants: list[tuple[str, types.ModuleType]] = [("", new_scheduler)]
     if args.against:

@@ -259,10 +259,17 @@ def lookup(ref: str) -> Container:
 
 @bp.get("/nodes")
 def list_nodes() -> Response:
-    """The machine × GPU map (a tenant sees every figure, but only its own containers' ids)."""
+    """The machine × GPU map (a tenant sees every figure, but only its own containers' ids).
+
+    ``?since=<version>``: only the nodes changed after that version and the names of those removed (issue 20).
+    """
+    cache = cast(NodesCache, current_app.extensions["gpumgr.nodes"])  # issue 20
     if principal().operator:
-        return cast(NodesCache, current_app.extensions["gpumgr.nodes"]).response(request)
-    return jsonify({"nodes": manager().cluster.nodes_view(principal())})
+        return cache.response(request)
+    cache.since_of(request.args.get("since"))  # issue 20: a malformed since is a 400 for a tenant too
+    # issue 20: a tenant's view is filtered per caller, so it is always whole ("full": true)
+    return jsonify({"version": cache.version_token(), "full": True, "removed": [],  # issue 20
+                    "nodes": manager().cluster.nodes_view(principal())})
 
 
 @bp.delete("/nodes/<name>")

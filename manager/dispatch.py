@@ -25,11 +25,16 @@ from gpumgr.wire.units import format_bytes
 log = logging.getLogger(__name__)
 
 
+#: The placement enum by its value: a dict lookup, not the enum's own call, on every placement.
+_PLACEMENTS = {p.value: p for p in Placement}
+
+
 def request_for(spec: PlacementSpec, memory: int) -> Request:
     """What the scheduler is asked for ``spec`` at ``memory`` bytes per GPU."""
+    placement = _PLACEMENTS.get(spec.placement) or Placement(spec.placement)
     if spec.constraints:
-        return Request(memory, spec.count, spec.node, Placement(spec.placement), constraints_of(spec))
-    return Request(memory, spec.count, spec.node, Placement(spec.placement))  # as bench/scheduler.py's older ones take
+        return Request(memory, spec.count, spec.node, placement, constraints_of(spec))
+    return Request(memory, spec.count, spec.node, placement)  # as bench/scheduler.py's older ones take
 
 
 def constraints_of(spec: PlacementSpec) -> Constraints:

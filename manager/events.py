@@ -29,6 +29,9 @@ IDS_FILE = "event_ids.json"
 ID_BLOCK = 10_000
 DETAIL_DEPTH = 4
 DETAIL_ITEMS = 64
+#: detail values kept as they are without a call to :func:`clean_detail`
+_ATOMS = frozenset({bool, int, float, str})
+_NAMES = {kind: str(kind) for kind in EventType}
 
 
 def clean_detail(value: Any, depth: int = DETAIL_DEPTH) -> Any:
@@ -124,9 +127,11 @@ class EventLog:
     def record(self, kind: EventType, message: str, /, *, node: str | None = None,
                container: str | None = None, **detail: Any) -> dict[str, Any]:
         """Append one event and return it; ``detail`` never overrides the event's own keys."""
-        extra = {k: clean_detail(v) for k, v in detail.items() if k not in OWN_KEYS}
+        extra = {k: v if v is None or type(v) in _ATOMS else clean_detail(v)
+                 for k, v in detail.items() if k not in OWN_KEYS} if detail else {}
+        kind_name = _NAMES.get(kind) or str(kind)
         with self._lock:
-            event = {**extra, "id": self._ids.take(), "time": time.time(), "type": str(kind), "node": node,
+            event = {**extra, "id": self._ids.take(), "time": time.time(), "type": kind_name, "node": node,
                      "container": container, "message": message}
             self._events.append(event)
         return event

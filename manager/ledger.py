@@ -46,6 +46,9 @@ class Ledger:
         self.index = FreeIndex()
         #: grows with every change of a grant or a node: cached views compare it
         self.version = 0
+        #: names of the nodes whose shown figures changed since ``GET /v1/nodes`` last took them
+        #: (:meth:`take_touched`): its copy re-encodes only those
+        self.touched: set[str] = set()
         #: set whenever room may have freed or the queue changed: the dispatcher wakes on it
         self.wake = Wake()
         self._finished: deque[str] = deque()
@@ -68,6 +71,7 @@ class Ledger:
             gpu.reserved += record.held
             gpu.holders.add(record.id)
             self.index.update(gpu)
+            self.touched.add(gpu.node)
 
     def release(self, record: Container) -> None:
         """Give back everything ``record`` holds (it ended)."""
@@ -80,6 +84,7 @@ class Ledger:
                 gpu.reserved -= record.held
                 gpu.holders.discard(record.id)
                 self.index.update(gpu)
+                self.touched.add(gpu.node)
         record.held = 0
 
     def rehold(self, record: Container, held: int) -> None:
@@ -93,6 +98,7 @@ class Ledger:
             if gpu is not None and record.id in gpu.holders:
                 gpu.reserved += delta
                 self.index.update(gpu)
+                self.touched.add(gpu.node)
         record.held = held
         if delta < 0:
             self.wake.set()
@@ -130,11 +136,13 @@ class Ledger:
         topology.assign_groups(node.gpus)
         self._capacity.clear()
         self.version += 1
+        self.touched.add(node.name)
 
     def set_ready(self, node: Node, ready: bool) -> None:
         """Mark ``node`` ready (its GPUs join the free index) or down (they leave it)."""
         self.version += 1
         node.ready = ready
+        self.touched.add(node.name)
         if ready:
             self.wake.set()
         for gpu in node.gpus:
@@ -152,6 +160,7 @@ class Ledger:
             return False
         self.version += 1
         gpu.health = health
+        self.touched.add(gpu.node)  # GET /v1/nodes re-encodes its node: the next ?since= answer shows it
         node = self.nodes.get(gpu.node)
         if health:
             self.index.discard(gpu)
@@ -169,7 +178,13 @@ class Ledger:
                 del self.gpus[gpu.uuid]
         self._capacity.clear()
         self.version += 1
+        self.touched.add(name)
         self.wake.set()
+
+    def take_touched(self) -> set[str]:
+        """The names in :attr:`touched`, which starts empty again. Call under :attr:`lock`."""
+        touched, self.touched = self.touched, set()
+        return touched
 
     def node_gpus(self, name: str) -> list[Gpu]:
         """``name``'s GPUs, or none if it is not on the map."""

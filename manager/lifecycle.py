@@ -124,7 +124,6 @@ class Lifecycle:
         if to not in TRANSITIONS[now_from]:
             log.info("record %s: %s → %s is not a transition; ignored", record.id, now_from, to)
             return False
-        detail = dict(detail or {})
         if now_from is State.QUEUED:
             self._leave_queue(record)
             self.quotas.count(record, -1)
@@ -148,11 +147,12 @@ class Lifecycle:
             to = State.PREEMPTED
             reason = f"preempted to make room for queued request {record.preempted_for} of higher priority"
         record.state, record.deadline = to, None
-        if to is State.KILLED and ("overrun" in record.detail or "overrun" in detail):
+        if to is State.KILLED and ("overrun" in record.detail or (detail is not None and "overrun" in detail)):
             self.overrun_kills[record.node] = self.overrun_kills.get(record.node, 0) + 1
         record.exit_code = exit_code if exit_code is not None else record.exit_code
         record.reason = reason or record.desired_reason or record.reason or _default_reason(to, record.exit_code)
-        record.detail.update(detail)
+        if detail:
+            record.detail.update(detail)
         record.finished_at = finished_at or record.finished_at or self.clock.time()
         if record.op is not None:
             # a record that failed while an operation waited failed on its node (502), whatever noticed it first

@@ -151,8 +151,14 @@ class NodeView(_Shape):
 
 
 class NodeList(_Shape):
-    """``GET /v1/nodes``: the machine × GPU map."""
+    """``GET /v1/nodes``: the machine × GPU map, whole or (``?since=``) the nodes changed since a version."""
 
+    version: str = Field(description="the map's version this answer shows: send it back as ?since= for the changes "
+                                     "after it")
+    since: str | None = Field(None, description="the version the changes are counted from (absent when full)")
+    full: bool = Field(description="true: every node, replacing what the client holds; false: only the nodes "
+                                   "changed after since (each whole) and the names in removed")
+    removed: list[str] = Field(description="nodes taken off the map after since (empty when full)")
     nodes: list[NodeView]
 
 
@@ -372,8 +378,13 @@ def document() -> dict[str, Any]:
             "Send a signal to a running container (docker kill)", (200, Signalled, "sent"),
             (400, 404, 409, 502, 503, 504), params=[cid, query("signal", "SIGKILL by default; a name or a number",
                                                                pattern=SIGNAL.pattern)], op_id="killContainer")},
-        "/v1/nodes": {"get": operation("The machine × GPU map", (200, NodeList, "every node and its GPUs"), (),
-                                       op_id="listNodes")},
+        "/v1/nodes": {"get": operation(
+            "The machine × GPU map; with since, only what changed after that version",
+            (200, NodeList, "every node and its GPUs, or the nodes changed and removed since the version"), (400,),
+            params=[query("since", "a version from an earlier answer: only the nodes changed after it and the "
+                                   "names of those removed (the whole map, full: true, if it is not this manager's "
+                                   "or too old)", pattern="^[0-9a-f]{8}-[0-9]{1,19}$")],
+            op_id="listNodes")},
         "/v1/nodes/{name}": {"delete": operation(
             "Forget a node that is down, and its agent's binding", (200, NodeForgotten, "forgotten"), (403, 404, 409),
             params=[path("name", "the node's name")], op_id="forgetNode")},

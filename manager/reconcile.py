@@ -33,6 +33,8 @@ class Reconciler:
         #: a node down this long is dropped from the map (its binding stays: it may come back)
         self.forget_after = forget_after
         self.remove_timeout = defaults.REMOVE_TIMEOUT
+        #: per node: the agent process (instance) and the refused adoptions already recorded for it
+        self._refused: dict[str, tuple[str, set[tuple[str, str]]]] = {}  # issue 20
 
     # --- nodes ---------------------------------------------------------------------------------
     def register(self, name: str, routing_id: bytes, runtime: str, gpus: list[GpuInfo],
@@ -86,6 +88,8 @@ class Reconciler:
             gpu = self.ledger.gpus.get(sample.uuid)
             if gpu is not None and gpu.node == name:
                 before = gpu.free
+                if gpu.used != sample.memory_used or gpu.unmanaged != sample.memory_unmanaged:
+                    self.ledger.touched.add(name)  # issue 20: GET /v1/nodes re-encodes this node
                 gpu.used, gpu.unmanaged = sample.memory_used, sample.memory_unmanaged
                 self.ledger.index.update(gpu)
                 if gpu.free > before and len(self.life.queue):
@@ -119,6 +123,7 @@ class Reconciler:
         for record in [r for r in self.ledger.records.values() if r.node == name and r.state in LIVE]:
             self.life.move(record, State.REMOVED, reason)
         self.ledger.drop_node(name)
+        self._refused.pop(name, None)  # issue 20
         self.life.events.record(EventType.NODE_DOWN, f"node {name} was forgotten", node=name)
         return True
 
@@ -282,8 +287,21 @@ class Reconciler:
         return True
 
     def refuse_adoptions(self, node: str, refused: list[RefusedAdoption]) -> None:
-        """Record why a node could not adopt containers that look managed (no trustworthy grant)."""
+        """Record why a node could not adopt containers that look managed (no trustworthy grant).
+
+        Once per container and reason for each agent process: a repeated Register (an agent retrying
+        one whose answer it had not seen yet) carries the same list and records nothing again.
+        """
+        known = self.ledger.nodes.get(node)
+        instance = known.instance if known is not None else ""
+        was, told = self._refused.get(node, ("", set()))
+        if was != instance or not instance:
+            told = set()
+        self._refused[node] = instance, told
         for item in refused:
+            if (item.container_id, item.reason) in told:
+                continue
+            told.add((item.container_id, item.reason))  # issue 20: recorded once per agent process
             self.life.events.record(EventType.FAILED, f"container {item.container_id[:12]} {item.name} not "
                                     f"adopted: {item.reason}", node=node, container=None)
 

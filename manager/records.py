@@ -58,7 +58,7 @@ class OpKind(StrEnum):
 _OP_LOCK = threading.Lock()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Op:
     """One operation in flight on a record: at most one at a time; a reply for another is ignored.
 
@@ -189,7 +189,7 @@ class Container:
         return None if value is None else str(value)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Command:
     """What the manager must tell a node after a change: built under the map's lock, sent after it."""
 

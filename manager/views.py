@@ -7,7 +7,6 @@ record and build plain dicts, and callers decide whether they run under the mode
 from __future__ import annotations
 
 import copy
-import json
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -92,7 +91,6 @@ class MapReads:
     quotas: Quotas
     dispatcher: Dispatch
     map_max_age: float = defaults.MAP_MAX_AGE
-    _map_cache: tuple[int, float, bytes] | None = None
 
     def get(self, cid: str) -> Container:
         """The record of ``cid``; raises NotFound."""
@@ -152,19 +150,6 @@ class MapReads:
             if principal is None or principal.operator:
                 return [node_view(n) for n in nodes]
             return [node_view(n, lambda cid: records[cid].tenant == principal.tenant) for n in nodes]
-
-    def nodes_json(self) -> bytes:
-        """``{"nodes": nodes_view()}`` encoded, rebuilt when a grant or a node changes or it is ``map_max_age`` old."""
-        now = time.monotonic()
-        with self.ledger.lock:
-            version, cached = self.ledger.version, self._map_cache
-            if cached is not None and cached[0] == version and now - cached[1] < self.map_max_age:
-                return cached[2]
-            view = [node_view(n) for n in self.ledger.nodes.values()]
-        body = json.dumps({"nodes": view}, separators=(",", ":")).encode()
-        with self.ledger.lock:
-            self._map_cache = (version, now, body)
-        return body
 
     def needs_image(self) -> bool:
         """True when every ready node runs Docker, so a request without an image cannot run anywhere."""

@@ -157,6 +157,10 @@ def test_dashboard_shows_the_map_live(manager, dash_agent, test_image, browser, 
              timeout=LIVE_TIMEOUT, what="the second container to appear without a reload")
     appeared = time.monotonic() - began
     assert dom(browser, "return window.__sameDocument === true;"), "the page reloaded"
+    # the map after the first read came as changes only (?since=), merged into what the page held
+    asked = dom(browser, "return performance.getEntriesByType('resource').map(e => e.name)"
+                         ".filter(n => n.includes('/v1/nodes'));")
+    assert asked and "?since=" not in asked[0] and any("/v1/nodes?since=" in n for n in asked[1:]), asked
 
     # one GPU holds both grants: its bar has a segment per container, sized by the grant
     assert first["gpus"][0]["uuid"] == second["gpus"][0]["uuid"], "binpack put them on one GPU"

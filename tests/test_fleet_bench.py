@@ -7,6 +7,7 @@ agents on real CURVE DEALER sockets; its JSON results are checked for correctnes
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,10 @@ def test_fleet_joins_heartbeats_serves_the_map_and_places(tmp_path: Path) -> Non
     polled = result["polled"]
     assert polled["statuses"] and set(polled["statuses"]) == {200}
     assert min(polled["bytes"]) > 0
+    since = result["polled since"]  # the changes only, after the first (whole) answer: mostly none
+    assert since["statuses"] and set(since["statuses"]) == {200}
+    assert statistics.median(since["bytes"][1:]) < statistics.median(polled["bytes"]) / 4, (since, polled["bytes"])
+    assert set(result["polled healthz"]["statuses"]) == {200}
     for name in ("placements gpus=1", "placements gpus=2..4"):
         assert result[name]["statuses"] == [201] * 24, result[name]["statuses"]
         assert result[name]["removed"] == [200] * 24

@@ -14,6 +14,8 @@
 
   const state = {
     nodes: [],
+    nodesByName: new Map(), // the map as held: the whole of one answer, then the changes of each next one
+    nodesVersion: "", // the map's version of the last answer: the next asks only for what changed since (issue 20)
     containers: [],
     events: [],
     lastEventId: 0,
@@ -94,6 +96,7 @@
   }
 
   function setToken(value) {
+    state.nodesVersion = ""; // another caller may see another map: read it whole (issue 20)
     try {
       if (value) sessionStorage.setItem(TOKEN_KEY, value);
       else sessionStorage.removeItem(TOKEN_KEY);
@@ -171,12 +174,13 @@
     const since = resync ? 0 : state.lastEventId;
     try {
       // the nodes first: without a (valid) token one 401 is enough to ask for it
-      const nodes = await api("/v1/nodes");
+      const changes = state.nodesVersion ? "?since=" + encodeURIComponent(state.nodesVersion) : "";
+      const nodes = await api("/v1/nodes" + changes); // issue 20
       const [containers, events] = await Promise.all([
         api("/v1/containers"),
         api("/v1/events?since=" + encodeURIComponent(since)),
       ]);
-      state.nodes = Array.isArray(nodes.nodes) ? nodes.nodes : [];
+      mergeNodes(nodes); // issue 20
       state.containers = Array.isArray(containers.containers) ? containers.containers : [];
       mergeEvents(Array.isArray(events.events) ? events.events : [], resync);
       state.lastOk = Date.now() / 1000;
@@ -184,6 +188,7 @@
       setStatus("live", "ok");
       render();
     } catch (err) {
+      state.nodesVersion = ""; // the next poll reads the whole map again (issue 20)
       if (err instanceof Unauthorized) {
         askForToken(Boolean(token()));
         return;
@@ -191,6 +196,17 @@
       setStatus("cannot reach the manager: " + (err && err.message ? err.message : err), "error");
     }
   }
+
+  // A whole map ("full": true, or an answer without a version) replaces what is held; otherwise the
+  // nodes listed replace theirs (a new one goes last, as on the manager) and the removed ones go.
+  function mergeNodes(answer) {
+    const listed = answer && Array.isArray(answer.nodes) ? answer.nodes : [];
+    if (!answer || answer.full !== false) state.nodesByName = new Map();
+    else for (const name of Array.isArray(answer.removed) ? answer.removed : []) state.nodesByName.delete(name);
+    for (const node of listed) state.nodesByName.set(node.name, node);
+    state.nodes = Array.from(state.nodesByName.values());
+    state.nodesVersion = answer && typeof answer.version === "string" ? answer.version : "";
+  } // issue 20
 
   function mergeEvents(fresh, whole) {
     if (whole) {
@@ -438,6 +454,8 @@
       setToken("");
       state.signature = "";
       state.nodes = [];
+      state.nodesByName = new Map();
+      state.nodesVersion = ""; // issue 20
       state.containers = [];
       state.events = [];
       state.lastEventId = 0;
