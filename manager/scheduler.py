@@ -79,7 +79,8 @@ class GpuSlot:
     @property
     def free(self) -> int:
         """Schedulable free memory: what no grant, no stranger and no safety margin holds."""
-        return max(0, self.total - self.reserved - self.unmanaged - self.headroom)
+        free = self.total - self.reserved - self.unmanaged - self.headroom
+        return free if free > 0 else 0  # not max(): this runs several times per placement
 
 
 @dataclass(frozen=True)
@@ -102,19 +103,33 @@ class FreeIndex:
     The owner (the cluster map) must call :meth:`update` whenever a slot's free memory changes and
     :meth:`add`/:meth:`discard` when a node becomes ready or down; the scheduler only reads it,
     apart from bringing the per-``k`` rankings of the nodes marked stale up to date.
+
+    The order by free memory (:attr:`by_free`) is brought up to date when it is read: :meth:`update`
+    only notes the slot. A grant and its release on the same GPUs between two reads (every
+    multi-GPU placement, which reads the rankings, not this order) then cost no re-sort at all.
     """
 
-    by_free: SortedList = field(default_factory=SortedList)
+    _by_free: SortedList = field(default_factory=SortedList)
     by_node: dict[str, list[GpuSlot]] = field(default_factory=dict)
     _keys: dict[str, tuple[int, str]] = field(default_factory=dict)
     #: (k, spread) -> the ranking for such requests of k GPUs (kept from the first such request on)
     _ranks: dict[tuple[int, bool], Ranking] = field(default_factory=dict)
+    #: slots whose free memory may have changed since :attr:`by_free` last placed them
+    _moved: dict[str, GpuSlot] = field(default_factory=dict)
+
+    @property
+    def by_free(self) -> SortedList:
+        """``((free, uuid), slot)`` of every schedulable GPU, ascending, up to date."""
+        if self._moved:
+            self._resort()
+        return self._by_free
 
     def add(self, slot: GpuSlot) -> None:
         """Make ``slot`` schedulable."""
         key = (slot.free, slot.uuid)
         self._keys[slot.uuid] = key
-        self.by_free.add((key, slot))
+        self._moved.pop(slot.uuid, None)  # its key is its free memory now
+        self._by_free.add((key, slot))
         self.by_node.setdefault(slot.node, []).append(slot)
         self._touch(slot.node)
 
@@ -123,7 +138,8 @@ class FreeIndex:
         key = self._keys.pop(slot.uuid, None)
         if key is None:
             return
-        self.by_free.remove((key, slot))
+        self._moved.pop(slot.uuid, None)
+        self._by_free.remove((key, slot))
         slots = self.by_node.get(slot.node, [])
         slots.remove(slot)
         if not slots:
@@ -131,19 +147,23 @@ class FreeIndex:
         self._touch(slot.node)
 
     def update(self, slot: GpuSlot) -> None:
-        """Re-sort ``slot`` after its free memory changed."""
-        old = self._keys.get(slot.uuid)
-        if old is None:
+        """``slot``'s free memory changed: re-sort it at the next read, re-rank its node at the next request."""
+        if slot.uuid not in self._keys:
             return
-        free = slot.free
-        if old[0] == free:
-            return
-        by_free = self.by_free
-        by_free.remove((old, slot))
-        key = self._keys[slot.uuid] = (free, slot.uuid)
-        by_free.add((key, slot))
+        self._moved[slot.uuid] = slot
         for ranking in self._ranks.values():
             ranking.stale.add(slot.node)
+
+    def _resort(self) -> None:
+        by_free, keys = self._by_free, self._keys
+        for uuid, slot in self._moved.items():
+            old = keys[uuid]  # add() and discard() take a slot off this list
+            free = slot.free
+            if old[0] != free:
+                by_free.remove((old, slot))
+                key = keys[uuid] = (free, uuid)
+                by_free.add((key, slot))
+        self._moved.clear()
 
     def __contains__(self, slot: GpuSlot) -> bool:
         return slot.uuid in self._keys
@@ -434,14 +454,14 @@ def _best_on_node(slots: list[GpuSlot], request: Request, spread: bool) -> tuple
         return None
     if request.count > 1 and request.topology and slots[0].groups is not None:
         return _best_connected(fitting, request.count, spread)
-    fitting.sort(key=lambda item: item[:2], reverse=spread)
+    fitting.sort(reverse=spread)  # by (free, uuid): uuids are unique, so the slots are never compared
     return [slot for _, _, slot in fitting[: request.count]], len(LINKS)
 
 
 def _best_connected(fitting: list[tuple[int, str, GpuSlot]], count: int,
                     spread: bool) -> tuple[list[GpuSlot], int]:
     """Among ``fitting``, ``count`` GPUs in the tightest group that holds as many, best by the policy within."""
-    fitting.sort(key=lambda item: item[:2], reverse=spread)
+    fitting.sort(reverse=spread)  # by (free, uuid): uuids are unique, so the slots are never compared
     for level in range(len(LINKS)):
         groups: dict[int, list[tuple[int, str, GpuSlot]]] = {}
         for item in fitting:

@@ -112,3 +112,29 @@ def test_a_node_going_down_leaves_the_rankings() -> None:
     for _ in range(3):
         for policy in Placement:
             assert {s.node for s in place(index, Request(U, 2, None, policy))} == {"n001"}
+
+
+def test_the_free_order_is_brought_up_to_date_when_read_after_updates_adds_and_discards() -> None:
+    """``update`` only notes a slot; every read of ``by_free`` (and each placement) sees the true order."""
+    index = FreeIndex()
+    slots = [GpuSlot(uuid=f"g{i}", node=f"n{i % 2}", index=i, total=10 * U) for i in range(4)]
+    for slot in slots:
+        index.add(slot)
+    slots[0].reserved = 9 * U
+    index.update(slots[0])
+    slots[3].reserved = 2 * U
+    index.update(slots[3])
+    index.discard(slots[3])  # noted, then gone: the next read must not trip over it
+    slots[1].reserved = U
+    index.update(slots[1])
+    slots[1].reserved = 0  # moved and back again before any read: nothing to re-sort
+    index.update(slots[1])
+    assert [(key, slot.uuid) for key, slot in index.by_free] == [
+        ((U, "g0"), "g0"), ((10 * U, "g1"), "g1"), ((10 * U, "g2"), "g2")]
+    assert index.largest_free() == 10 * U
+    slots[2].reserved = 7 * U
+    index.update(slots[2])
+    index.add(slots[3])  # back with its current figure
+    assert [slot.uuid for _, slot in index.by_free] == ["g0", "g2", "g3", "g1"]
+    chosen = place(index, Request(8 * U, 1, None, Placement.BINPACK))
+    assert [s.uuid for s in chosen] == ["g3"]
