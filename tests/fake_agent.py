@@ -112,6 +112,14 @@ class FakeAgent:
                                               gpus=spec.gpus, gpu_memory=spec.gpu_memory, state="running")
             self.reports[spec.grant] = report
             self.send(protocol.Reply(ok=True, result=report.model_dump()), reply_to=envelope.id)
+        elif isinstance(message, protocol.Resize):  # as a real agent does: the new figure, enforced from now on
+            report = self.reports.get(message.grant)
+            if report is None:
+                error = protocol.ErrorBody(code="not_found", message=f"no managed container holds {message.grant}")
+                self.send(protocol.Reply(ok=False, error=error), reply_to=envelope.id)
+                return
+            self.reports[message.grant] = report.model_copy(update={"gpu_memory": message.gpu_memory})
+            self.send(protocol.Reply(ok=True), reply_to=envelope.id)
         elif isinstance(message, protocol.Remove):
             self.reports.pop(message.grant, None)
             self.send(protocol.Reply(ok=True, result={"grant": message.grant}), reply_to=envelope.id)

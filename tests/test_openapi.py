@@ -91,3 +91,16 @@ def test_a_created_container_and_the_map_match_the_document(live) -> None:
     ]:
         operation = doc_schema[path][method]
         operation.validate_response(response)
+
+
+def test_a_resize_through_the_api_is_answered_by_the_scripted_agent(live) -> None:
+    """The scripted agent behind the generated calls answers a resize as a real one does: a PATCH that
+    names a live record (an id prefix such as ``0`` may) once waited out its timeout and answered 504."""
+    _, app = live
+    client = app.test_client()
+    made = client.post("/v1/containers", json={"image": "img", "gpu_memory": "4GiB"})
+    assert made.status_code == 201, made.json
+    cid = made.json["id"]
+    grown = client.patch(f"/v1/containers/{cid[:1]}", json={"gpu_memory": "8GiB"})
+    assert grown.status_code == 200, grown.json
+    assert grown.json["gpu_memory"] == 8 << 30
