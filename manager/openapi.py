@@ -346,14 +346,14 @@ def document() -> dict[str, Any]:
                              op_id="listContainers"),
         },
         "/v1/containers/{cid}": {
-            "get": operation("One container record", (200, ContainerRecord, "the record"), (404,), params=[cid],
+            "get": operation("One container record", (200, ContainerRecord, "the record"), (404, 409), params=[cid],
                              op_id="getContainer"),
             "patch": operation("Grow or shrink a running (or queued) container's grant in place",
                                (200, ContainerRecord, "the record with its new grant"),
                                (400, 403, 404, 409, 413, 502, 503, 504), params=[cid], body=api.ResizeContainer,
                                op_id="resizeContainer"),
             "delete": operation("Stop and remove a container, or withdraw a queued request; its grant is freed",
-                                (200, ContainerRecord, "removed"), (404, 502, 503, 504), params=[cid],
+                                (200, ContainerRecord, "removed"), (404, 409, 502, 503, 504), params=[cid],
                                 op_id="removeContainer",
                                 also=(202, ContainerRecord, "kept: carried out once its node is back or its "
                                       "create returns")),

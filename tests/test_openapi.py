@@ -104,3 +104,21 @@ def test_a_resize_through_the_api_is_answered_by_the_scripted_agent(live) -> Non
     grown = client.patch(f"/v1/containers/{cid[:1]}", json={"gpu_memory": "8GiB"})
     assert grown.status_code == 200, grown.json
     assert grown.json["gpu_memory"] == 8 << 30
+
+
+def test_an_ambiguous_id_prefix_is_a_documented_409_on_every_call_that_takes_one(live) -> None:
+    """``GET`` and ``DELETE`` of ``/v1/containers/{cid}`` once left out the 409 an ambiguous prefix answers."""
+    _, app = live
+    client = app.test_client()
+    made: list[str] = []  # until two records share a first character: that prefix names both
+    while len({r[0] for r in made}) == len(made):
+        answer = client.post("/v1/containers", json={"image": "img", "gpu_memory": "1GiB"})
+        assert answer.status_code == 201, answer.json
+        made.append(answer.json["id"])
+    prefix = next(r[0] for r in made if sum(o[0] == r[0] for o in made) > 1)
+    document = client.get("/openapi.json").json["paths"]["/v1/containers/{cid}"]
+    for method in ("get", "delete", "patch"):
+        answer = client.open(f"/v1/containers/{prefix}", method=method.upper(),
+                             json={"gpu_memory": "2GiB"} if method == "patch" else None)
+        assert answer.status_code == 409 and answer.json["error"]["code"] == "conflict", answer.json
+        assert "409" in document[method]["responses"], method
