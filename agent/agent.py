@@ -88,8 +88,11 @@ class Agent:
         self._backoff, self._next_register, self._next_beat = defaults.RECONNECT_MIN, 0.0, 0.0
         hooks = LinkHooks(on_tick=self._tick, descriptors=self._descriptors, on_ready=self._on_ready,
                           on_stop=self._on_stop, screen=self._screen)
+        # one CURVE connection to every manager given: registration and heartbeats go to the one followed,
+        # commands are taken (fenced by epoch) from any, and answered on the connection they came on
         self.link = Link(zmq.DEALER, self.managers.current, self._handle, bind=False, configure=self._configure,
-                         tick=defaults.LINK_TICK, hooks=hooks, name="agent-link")
+                         tick=defaults.LINK_TICK, hooks=hooks, name="agent-link",
+                         peers=self.managers.endpoints if self.managers.several else None)
         self.enforcer = None if enforcement is None else Enforcer(source, self.devices, runtime, self.report_overrun,
                                                                   enforcement)
 
@@ -184,11 +187,19 @@ class Agent:
         log.info("joined the manager at %s as node %s", self.managers.current, self.node)
 
     def _move_on(self, why: str, *, silent: bool = False, pause: float = 0.0) -> None:
-        """Talk to the next manager given (several were): the one in use is gone or does not lead."""
+        """Talk to the next manager given (several were): the one in use is gone or does not lead.
+
+        Requests still waiting on the one left (a Swarm task's grant) fail now: a manager that is gone or
+        does not lead will not grant them, and the task's hook then refuses at once, so Swarm starts the
+        task again and it asks the next leader, instead of holding the hook until it times out.
+        """
+        left = self.managers.current
+        if self._join is None:  # a join's own retry is its callback's business
+            self.link.fail_peer(MANAGER, AgentFailed(f"the manager at {left} was left before it answered ({why})"))
         self.link.reconnect(self.managers.advance(why, silent=silent))
         self._backoff, self._next_register = defaults.RECONNECT_MIN, time.monotonic() + pause
 
-    def _screen(self, envelope: protocol.Envelope, message: protocol.Message) -> Exception | None:
+    def _screen(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Message) -> Exception | None:
         """Refuse (and drop) any frame, replies included, from a manager older than the leader this agent follows.
 
         A ``not_leader`` answer passes: a manager that does not lead stamps no epoch, and its answer changes
@@ -203,7 +214,7 @@ class Agent:
             log.warning("%s (a %s message dropped)", exc.message, envelope.type)
             if isinstance(message, protocol.Create | protocol.Remove | protocol.Resize):
                 error = protocol.ErrorBody(code=exc.code, message=exc.message)
-                self.link.send(MANAGER, protocol.Reply(ok=False, error=error), reply_to=envelope.id)
+                self.link.send(peer.routing_id, protocol.Reply(ok=False, error=error), reply_to=envelope.id)
             return exc
 
     def _fail(self, reason: str) -> None:
@@ -223,14 +234,25 @@ class Agent:
             self._relay.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def _followed(self, peer: Peer) -> bool:
+        """Whether ``peer`` is the connection to the manager this agent follows (the only one, or the current)."""
+        return peer.routing_id in (MANAGER, self.managers.current.encode())
+
     def _handle(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Message) -> None:
-        if isinstance(message, protocol.Registered):
+        if isinstance(message, protocol.Registered | protocol.Refused | protocol.Reregister) and \
+                not self._followed(peer):
+            # a late answer of a manager this agent has left: registration is with the one it follows now
+            log.info("a %s from %s, which this agent no longer follows, dropped", envelope.type,
+                     peer.routing_id.decode(errors="replace"))
+        elif isinstance(message, protocol.Registered):
             self.interval = message.heartbeat_interval
             self.managers.answered()
             self.registered.set()
             self._backoff, self._next_beat = defaults.RECONNECT_MIN, 0.0
             log.info("registered with the manager at %s", self.managers.current)
         elif _not_leader(message) and self.managers.several:
+            if not self._followed(peer):
+                return
             pause = NO_LEADER_PAUSE if getattr(message, "code", "") == NO_LEADER else NOT_LEADER_PAUSE
             self._move_on(f"it does not lead: {getattr(message, 'message', '')}", pause=jittered(pause))
         elif isinstance(message, protocol.Refused):
@@ -242,15 +264,15 @@ class Agent:
             # and Swarm starts them again, to queue afresh
             self.link.fail_peer(MANAGER, AgentFailed("the manager restarted while the task waited in its queue"))
         elif isinstance(message, protocol.Create):
-            self._pool.submit(self._answer, envelope.id, self._create, message.spec)
+            self._pool.submit(self._answer, peer.routing_id, envelope.id, self._create, message.spec)
         elif isinstance(message, protocol.Remove):
-            self._pool.submit(self._answer, envelope.id, self._remove, message)
+            self._pool.submit(self._answer, peer.routing_id, envelope.id, self._remove, message)
         elif isinstance(message, protocol.Resize):
-            self._pool.submit(self._answer, envelope.id, self._resize, message)
+            self._pool.submit(self._answer, peer.routing_id, envelope.id, self._resize, message)
         elif isinstance(message, protocol.Logs):
-            self._pool.submit(self._answer, envelope.id, self._logs, message)
+            self._pool.submit(self._answer, peer.routing_id, envelope.id, self._logs, message)
         elif isinstance(message, protocol.Signal):
-            self._pool.submit(self._answer, envelope.id, self._signal, message)
+            self._pool.submit(self._answer, peer.routing_id, envelope.id, self._signal, message)
         elif isinstance(message, protocol.Reply):
             log.info("late reply %s from the manager dropped", envelope.reply_to)
         else:
@@ -325,7 +347,8 @@ class Agent:
         self.runtime.signal(message.grant, message.signal)
         return {"grant": message.grant, "signal": message.signal}
 
-    def _answer(self, request_id: str, work: Callable[[Any], dict[str, Any]], argument: Any) -> None:
+    def _answer(self, to: bytes, request_id: str, work: Callable[[Any], dict[str, Any]], argument: Any) -> None:
+        """Run ``work`` and answer ``request_id`` on the connection ``to`` it came on, whatever happens."""
         try:
             reply = protocol.Reply(ok=True, result=work(argument))
         except PolicyDenied as exc:  # the rule travels in the message: the link's error shape has no room for it
@@ -335,7 +358,7 @@ class Agent:
         except Exception as exc:  # report every failure to the manager rather than lose it
             log.exception("command failed")
             reply = protocol.Reply(ok=False, error=protocol.ErrorBody(code="runtime_failed", message=str(exc)))
-        self.link.send(MANAGER, reply, reply_to=request_id)
+        self.link.send(to, reply, reply_to=request_id)
 
 
 def _not_leader(message: protocol.Message) -> bool:

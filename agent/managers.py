@@ -2,11 +2,14 @@
 
 ``--manager tcp://m1:9401,tcp://m2:9401,tcp://m3:9401`` names every manager of one control plane; they
 share one CURVE key pair, so the agent's join token and trust cover all of them. The agent keeps one
-connection, to the manager it believes leads, and moves to the next address in the ring when that
-one stops answering (its join or registration goes unanswered, or frames to it cannot leave for
+connection to each of them (:class:`gpumgr.wire.link.Link` with ``peers``) and follows one: it joins,
+registers and heartbeats only there. It moves to the next address in the ring when that one stops
+answering (its join or registration goes unanswered, or frames to it cannot leave for
 :data:`SILENT_AFTER` seconds: a killed manager drops the connection at once, and a paused one is found
-by ZeroMQ's own heartbeats) or refuses it with ``not_leader``. Commands from any manager are still
-fenced by epoch (:mod:`gpumgr.agent.fence`), so following a stale address for a moment is harmless.
+by ZeroMQ's own heartbeats) or refuses it with ``not_leader``; the connection to the next one is up
+already, so moving costs no handshake. Commands are taken from any connection and fenced by epoch
+(:mod:`gpumgr.agent.fence`): a deposed leader that still holds its connection is answered
+``stale_epoch`` on it, and following a stale address for a moment is harmless.
 """
 
 from __future__ import annotations

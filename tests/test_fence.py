@@ -80,24 +80,38 @@ def test_manager_addresses_parse_and_bad_ones_are_named() -> None:
 
 # --- a real agent process against a leader whose epoch the test sets -------------------------------
 class EpochManager:
-    """The manager end of a real CURVE link: admits one agent, registers it, sends commands with any epoch."""
+    """The manager end of a real CURVE link: admits one agent, registers it, sends commands with any epoch.
 
-    def __init__(self, state: Path) -> None:
+    A ``twin`` shares its key pair (copy its state directory first) and trusts its node bindings, as
+    managers sharing a store do. One that is not ``leading`` refuses registrations with ``not_leader``.
+    """
+
+    def __init__(self, state: Path, twin: EpochManager | None = None) -> None:
         self.admission = Admission(state)
+        self.twin = twin
+        self.leading = True
         self.epoch: Epoch | None = None
         self.peer: Peer | None = None
         self.registered = threading.Event()
+        self.heartbeats = 0
         self.link = ManagerLink("tcp://127.0.0.1:0", self._handle, self.admission.keys, epoch=lambda: self.epoch)
         self.link.start()
+
+    def _bound(self, key: str, node: str) -> bool:
+        return node in (self.admission.node_of(key), self.twin.admission.node_of(key) if self.twin else None)
 
     def _handle(self, peer: Peer, head: protocol.Envelope, message: protocol.Message) -> None:
         if isinstance(message, protocol.Join):
             self.admission.admit(peer.key, message.node, message.proof)
             self.link.send(peer.routing_id, protocol.Reply(ok=True), reply_to=head.id)
-        elif isinstance(message, protocol.Register) and self.admission.node_of(peer.key) == message.node:
+        elif isinstance(message, protocol.Register) and not self.leading:
+            self.link.send(peer.routing_id, protocol.Refused(code="not_leader", message="another manager leads"))
+        elif isinstance(message, protocol.Register) and self._bound(peer.key, message.node):
             self.peer = peer
             self.link.send(peer.routing_id, protocol.Registered(heartbeat_interval=1.0))
             self.registered.set()
+        elif isinstance(message, protocol.Heartbeat):
+            self.heartbeats += 1
 
     def command(self, epoch: Epoch | None) -> protocol.Reply:
         assert self.peer is not None
@@ -134,6 +148,44 @@ def test_a_real_agent_refuses_older_epochs_across_its_restart(tmp_path) -> None:
         manager.link.stop()
 
 
+def test_an_agent_keeps_a_connection_to_every_manager_and_refuses_a_deposed_leader_on_its_own(tmp_path) -> None:
+    """Issue 21: one CURVE connection per manager given; registration and heartbeats go to the leader only.
+
+    The deposed leader still holds its connection, so what it sends after losing the lead reaches the
+    agent and is answered ``stale_epoch`` there (with one connection at a time, the agent had left it:
+    the command could not be delivered, and the old leader never heard why).
+    """
+    first = EpochManager(tmp_path / "first")
+    shutil.copytree(tmp_path / "first", tmp_path / "second")
+    second = EpochManager(tmp_path / "second", twin=first)
+    first.epoch, second.epoch = OLD, NEW
+    agent = agent_proc(tmp_path, f"{first.link.bound_endpoint},{second.link.bound_endpoint}",
+                       first.admission.token())
+    try:
+        assert first.registered.wait(20), agent.output()
+        ran = first.command(OLD)
+        assert ran.error is None or ran.error.code != "stale_epoch"
+        # the first manager loses the lead: it asks the agent to register again, then refuses it
+        first.leading = False
+        assert first.peer is not None
+        first.link.send(first.peer.routing_id, protocol.Reregister())
+        assert second.registered.wait(20), agent.output()
+        assert "leaving the manager at" in agent.output()
+        accepted = second.command(NEW)
+        assert accepted.error is None or accepted.error.code != "stale_epoch"
+        # the deposed leader's command arrives on its own connection and is refused there
+        refused = first.command(OLD)
+        assert not refused.ok and refused.error is not None and refused.error.code == "stale_epoch", refused
+        # heartbeats go to the leader only
+        before = first.heartbeats, second.heartbeats
+        wait_for(lambda: second.heartbeats >= before[1] + 2, 10, what="heartbeats to the new leader")
+        assert first.heartbeats == before[0], "the agent heartbeats a manager it no longer follows"
+    finally:
+        agent.stop()
+        first.link.stop()
+        second.link.stop()
+
+
 def test_a_reply_from_a_deposed_leader_fails_the_request_at_once(tmp_path) -> None:
     """Not only commands: a grant answered by a deposed leader (a Swarm task's reserve) never reaches the hook."""
     import zmq
@@ -152,7 +204,7 @@ def test_a_reply_from_a_deposed_leader_fails_the_request_at_once(tmp_path) -> No
     fence = Fence(tmp_path)
     fence.admit(NEW)
 
-    def screen(head: protocol.Envelope, message: protocol.Message) -> Exception | None:
+    def screen(peer: Peer, head: protocol.Envelope, message: protocol.Message) -> Exception | None:
         try:
             fence.admit(None if head.epoch is None else Epoch(*head.epoch))
         except StaleEpoch as exc:

@@ -9,6 +9,12 @@ quick. Malformed frames are logged and dropped; the loop keeps serving whatever 
 
 Security lives here too, in one place: the socket is configured by a :class:`~gpumgr.wire.security`
 object before it binds or connects, and every incoming frame carries the peer's proven identity.
+
+A DEALER given ``peers`` (an agent given several managers) keeps one socket, one CURVE connection,
+to each of them on the same owner thread. Frames addressed to ``b""`` go to the current one (the
+leader, as far as the agent can tell; :meth:`Link.reconnect` makes another current without closing
+anything); a frame that arrives on one of them names it in ``Peer.routing_id`` (its address), and a
+frame sent to that address leaves on that connection, so a command is answered where it came from.
 """
 
 from __future__ import annotations
@@ -64,15 +70,15 @@ class LinkHooks:
     ``on_tick`` runs every loop and returns how many seconds may pass before it must run again
     (None: the link's default tick). ``descriptors`` lists plain file descriptors to watch for input
     as well, and ``on_ready`` gets those that were readable. ``screen`` sees every decoded frame
-    first, replies included, and returns an error to drop it (a request waiting for that reply fails
-    with the error at once), or None to let it through.
+    first, replies included, with who sent it, and returns an error to drop it (a request waiting
+    for that reply fails with the error at once), or None to let it through.
     """
 
     on_tick: Callable[[], float | None] | None = None
     descriptors: Callable[[], set[int]] | None = None
     on_ready: Callable[[set[int]], None] | None = None
     on_stop: Callable[[], None] | None = None
-    screen: Callable[[protocol.Envelope, protocol.Message], Exception | None] | None = None
+    screen: Callable[[Peer, protocol.Envelope, protocol.Message], Exception | None] | None = None
 
 
 @dataclass
@@ -87,8 +93,14 @@ class Link:
     def __init__(self, kind: int, endpoint: str, handler: Handler, *, bind: bool, configure: Configure,
                  context: zmq.Context[zmq.Socket[bytes]] | None = None, tick: float = defaults.LINK_TICK,
                  hooks: LinkHooks | None = None, name: str = "link",
-                 epoch: Callable[[], Epoch | None] | None = None) -> None:
+                 epoch: Callable[[], Epoch | None] | None = None, peers: list[str] | None = None) -> None:
         self.kind = kind
+        if peers is not None and (bind or kind != zmq.DEALER or endpoint not in peers):
+            raise ValueError("peers: a connecting DEALER's addresses, the current endpoint among them")
+        #: every address a DEALER keeps a connection to (None: one connection, to ``endpoint``)
+        self.peers = list(peers) if peers is not None else None
+        self._socks: dict[bytes, zmq.Socket[bytes]] = {}
+        self._current = b""
         #: what stamps every frame this link sends (a leader's epoch); None: frames carry no epoch
         self._epoch = epoch
         self._retarget: str | None = None
@@ -138,7 +150,10 @@ class Link:
         return self._stop.is_set()
 
     def reconnect(self, endpoint: str) -> None:
-        """Point a connecting link at ``endpoint`` instead (done by the owner thread before it next sends)."""
+        """Point a connecting link at ``endpoint`` instead (done by the owner thread before it next sends).
+
+        With ``peers`` nothing is closed or opened: ``endpoint``'s connection, already up, becomes current.
+        """
         self._retarget = endpoint
         self._poke()
 
@@ -203,24 +218,26 @@ class Link:
     # --- owner thread ------------------------------------------------------------------------
     def _serve(self) -> None:
         try:
-            sock, pull = self._open()
+            pull = self._open()
         except (zmq.ZMQError, OSError) as exc:
             self._startup_error = OSError(f"cannot open the agent link on {self.endpoint}: {exc}")
             self._ready.set()
             return
         self._ready.set()
         try:
-            self._loop(sock, pull)
+            self._loop(pull)
         finally:
             if self._hooks.on_stop is not None:
                 self._hooks.on_stop()
-            sock.close(linger=0)
+            for sock in self._socks.values():
+                sock.close(linger=0)
             pull.close(linger=0)
             self._close_wake()
 
-    def _loop(self, sock: zmq.Socket[bytes], pull: zmq.Socket[bytes]) -> None:
+    def _loop(self, pull: zmq.Socket[bytes]) -> None:
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        for sock in self._socks.values():
+            poller.register(sock, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
         watched: set[int] = set()
         wait = 0.0
@@ -231,7 +248,10 @@ class Link:
             if pull in events:
                 while pull.poll(0):
                     pull.recv()
-            more = sock in events and self._drain(sock)
+            more = False
+            for key, sock in self._socks.items():
+                if sock in events:
+                    more = self._drain(sock, key) or more
             ready = {fd for fd in events if isinstance(fd, int)}
             if ready and self._hooks.on_ready is not None:
                 self._hooks.on_ready(ready)
@@ -239,8 +259,8 @@ class Link:
             if more:  # frames are still waiting: come straight back once what is queued has left
                 wait = 0.0
             self._expire()
-            self._move(sock)
-            self._flush(sock)
+            self._move()
+            self._flush()
 
     def _run_tick(self) -> float:
         if self._hooks.on_tick is None:
@@ -252,22 +272,29 @@ class Link:
             return self._tick
         return self._tick if wanted is None else min(self._tick, max(0.0, wanted))
 
-    def _open(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
-        sock = self._ctx.socket(self.kind)
+    def _open(self) -> zmq.Socket[bytes]:
+        """Open the socket (one per address with ``peers``) and the wake-up socket; returns the latter."""
         try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, defaults.MAX_MESSAGE_BYTES)
-            self._configure(sock)
-            if self._bind:
-                self._bind_socket(sock)
-            else:
-                sock.connect(self.endpoint)
+            for address in self.peers if self.peers is not None else [self.endpoint]:
+                sock = self._ctx.socket(self.kind)
+                key = address.encode() if self.peers is not None else b""
+                self._socks[key] = sock
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.MAXMSGSIZE, defaults.MAX_MESSAGE_BYTES)
+                self._configure(sock)
+                if self._bind:
+                    self._bind_socket(sock)
+                else:
+                    sock.connect(address)
         except BaseException:
-            sock.close(linger=0)
+            for sock in self._socks.values():
+                sock.close(linger=0)
+            self._socks = {}
             raise
+        self._current = self.endpoint.encode() if self.peers is not None else b""
         pull = self._ctx.socket(zmq.PULL)
         pull.bind(self._wake_addr)
-        return sock, pull
+        return pull
 
     def _bind_socket(self, sock: zmq.Socket[bytes]) -> None:
         base, _, port = self.endpoint.rpartition(":")
@@ -293,31 +320,44 @@ class Link:
                 self._wake.socket.close(linger=0)
                 self._wake.socket = None
 
-    def _move(self, sock: zmq.Socket[bytes]) -> None:
+    def _move(self) -> None:
         target, self._retarget = self._retarget, None
         if target is None or target == self.endpoint or self._bind:
             return
-        with contextlib.suppress(zmq.ZMQError):  # never connected there: nothing to undo
-            sock.disconnect(self.endpoint)
-        sock.connect(target)
+        if self.peers is not None:  # every connection is up already: another one becomes current
+            if target.encode() not in self._socks:
+                log.warning("no connection to %s among this link's peers: staying with %s", target, self.endpoint)
+                return
+            self._current = target.encode()
+        else:
+            sock = self._socks[b""]
+            with contextlib.suppress(zmq.ZMQError):  # never connected there: nothing to undo
+                sock.disconnect(self.endpoint)
+            sock.connect(target)
         self.endpoint, self._unreachable_since = target, None
 
-    def _flush(self, sock: zmq.Socket[bytes]) -> None:
+    def _flush(self) -> None:
         while True:
             try:
                 peer, frame, msg_id = self._outbox.get_nowait()
             except queue.Empty:
                 return
-            parts = [peer, frame] if self.kind == zmq.ROUTER else [frame]
+            if self.kind == zmq.ROUTER:
+                sock, parts, current = self._socks[b""], [peer, frame], True
+            else:  # a DEALER: b"" is the current connection, an address its own (a reply where a command came from)
+                key = peer if peer in self._socks else self._current
+                sock, parts, current = self._socks[key], [frame], key == self._current
             try:
                 sock.send_multipart(parts, zmq.NOBLOCK)
-                self._unreachable_since = None
+                if current:
+                    self._unreachable_since = None
             except zmq.ZMQError as exc:
                 log.debug("cannot reach peer %r now (%s); one message dropped", peer, exc)
-                if self._unreachable_since is None:
+                if current and self._unreachable_since is None:
                     self._unreachable_since = time.monotonic()
                 if msg_id is not None:
-                    self._fail(msg_id, NoAgents(f"the agent is not connected now ({exc.strerror}); try again"))
+                    who = "the agent is not connected" if self.kind == zmq.ROUTER else "the manager is not reachable"
+                    self._fail(msg_id, NoAgents(f"{who} now ({exc.strerror}); try again"))
 
     def _fail(self, msg_id: str, error: Exception) -> None:
         """A request whose frame could not leave fails at once instead of waiting out its timeout."""
@@ -326,7 +366,7 @@ class Link:
         if pending is not None and not pending.future.done():
             pending.future.set_exception(error)
 
-    def _drain(self, sock: zmq.Socket[bytes]) -> bool:
+    def _drain(self, sock: zmq.Socket[bytes], key: bytes) -> bool:
         """Handle what has arrived, at most DRAIN_BATCH frames; True if more may wait.
 
         The cap lets replies queued by the handlers leave between batches, so a flood of incoming
@@ -337,21 +377,22 @@ class Link:
                 parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return False
-            self._dispatch(parts)
+            self._dispatch(parts, key)
         return True
 
-    def _dispatch(self, parts: list[zmq.Frame]) -> None:
+    def _dispatch(self, parts: list[zmq.Frame], key: bytes = b"") -> None:
+        """Decode, screen and route one frame; ``key`` names the DEALER connection it came on (b"": the only one)."""
         routed = self.kind == zmq.ROUTER
         if len(parts) != (2 if routed else 1):
             log.warning("dropped a message of %d parts on the link (expected one frame)", len(parts) - routed)
             return
-        peer = Peer(parts[0].bytes if routed else b"", _key_of(parts[-1]))
+        peer = Peer(parts[0].bytes if routed else key, _key_of(parts[-1]))
         try:
             envelope, message = protocol.decode(parts[-1].bytes)
         except ProtocolError as exc:
             log.warning("dropped a malformed message from %r: %s", peer.routing_id, exc)
             return
-        refused = self._hooks.screen(envelope, message) if self._hooks.screen is not None else None
+        refused = self._hooks.screen(peer, envelope, message) if self._hooks.screen is not None else None
         if refused is not None:
             if isinstance(message, protocol.Reply) and envelope.reply_to:
                 self._fail(envelope.reply_to, refused)
