@@ -139,6 +139,67 @@ def tenants_digest(manager: Manager) -> str:
     return hmac.new(manager.admission.keys.secret.encode(), body, hashlib.sha256).hexdigest()[:16]
 
 
+#: Seconds between a follower's checks that its tenants and tokens match the leader's.
+DIGEST_EVERY = 10.0
+#: While they differ, the error is repeated this often (and at once when the leader or either digest changes).
+DIGEST_REPEAT = 300.0
+
+
+class DigestWatch:
+    """A follower compares its tenants' digest with the leader's every :data:`DIGEST_EVERY` seconds and
+    logs an error while they differ, without waiting for anyone to read ``/healthz``.
+
+    Tenants and tokens live in each manager's YAML, not in the store: a manager left with an old file
+    (a token rotated everywhere but there) would forward calls with tokens the leader no longer takes,
+    or accept ones it refuses. Nothing is changed automatically: the operator fixes the file and sends
+    SIGHUP, and the watch says so once they agree again.
+    """
+
+    def __init__(self, manager: Manager, every: float | None = None) -> None:
+        self.manager = manager
+        self.every = DIGEST_EVERY if every is None else every
+        #: the last mismatch logged as (leader API, ours, theirs), or None while they agree
+        self.mismatch: tuple[str, str, str] | None = None
+        self._logged_at = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="digest-watch", daemon=True)
+
+    def start(self) -> None:
+        """Check in the background until :meth:`stop`."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop checking."""
+        self._stop.set()
+
+    def check(self) -> tuple[str, str, str] | None:
+        """Compare once now; returns (leader API, ours, theirs) while they differ, else None."""
+        plane = self.manager.plane
+        leader = None if isinstance(plane, Solo) or plane.is_leader else plane.leader()
+        api = str(leader.get("api") or "") if leader else ""
+        theirs = _leader_digest(api) if api else None
+        if theirs is None:  # this manager leads, none does, or the leader did not answer: nothing to compare
+            return self.mismatch
+        ours = tenants_digest(self.manager)
+        found = (api, ours, theirs) if theirs != ours else None
+        now = time.monotonic()
+        if found is not None and (found != self.mismatch or now - self._logged_at >= DIGEST_REPEAT):
+            log.error("this manager's tenants and tokens (digest %s) differ from the leader's at %s (%s): give "
+                      "every manager the same tenants and tokens in its YAML and send it SIGHUP", ours, api, theirs)
+            self._logged_at = now
+        elif found is None and self.mismatch is not None:
+            log.warning("this manager's tenants and tokens match the leader's again (digest %s)", ours)
+        self.mismatch = found
+        return found
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                self.check()
+            except Exception:  # a failed check must never stop the next
+                log.exception("comparing tenants with the leader failed; trying again")
+
+
 def health(manager: Manager) -> dict[str, Any]:
     """``/healthz``'s fields about the control plane: role, leader, epoch, version, the tenants' digest."""
     plane = manager.plane

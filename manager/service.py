@@ -21,6 +21,7 @@ from gpumgr.manager.clock import SYSTEM, Clock
 from gpumgr.manager.cluster import Cluster
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.events import EventLog
+from gpumgr.manager.forward import DigestWatch
 from gpumgr.manager.ha import DEPOSED, Replicated, Solo, control_plane
 from gpumgr.manager.inbound import Inbound
 from gpumgr.manager.leading import Leading, NotLeader
@@ -73,6 +74,8 @@ class Manager:
         self._next_sweep = 0.0
         self._stopping = threading.Event()
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="dispatcher", daemon=True)
+        #: several managers: a follower checks in the background that its tenants match the leader's
+        self._digests = DigestWatch(self) if shared else None
 
     def start(self) -> None:
         """Bind the agent link and start placing queued requests as room frees."""
@@ -80,10 +83,14 @@ class Manager:
         self._dispatcher.start()
         log.info("agent link bound on %s", self.link.bound_endpoint)
         self.plane.start()
+        if self._digests is not None:
+            self._digests.start()
 
     def stop(self) -> None:
         """Resign leadership, stop the dispatcher and close the agent link (the queue stays in its store)."""
         self.plane.stop()
+        if self._digests is not None:
+            self._digests.stop()
         self._stopping.set()
         self.cluster.wake.set()
         if self._dispatcher.is_alive():

@@ -78,6 +78,27 @@ def test_a_follower_with_other_tenants_says_so_loudly(served, tmp_path, store_ur
         odd.stop()
 
 
+def test_a_follower_whose_tenants_differ_logs_it_unasked_until_they_match(served, tmp_path, store_url, caplog,
+                                                                          monkeypatch) -> None:
+    """Issue 21: the mismatch is said loudly in the follower's log, without anyone reading its /healthz."""
+    monkeypatch.setattr(forward, "DIGEST_EVERY", 0.2)
+
+    def said(text: str, level: str) -> bool:
+        return any(text in r.getMessage() for r in caplog.records if r.levelname == level)
+
+    odd = started(tmp_path, store_url, "odd", token="another-operator-token-0123456789")
+    try:
+        wait_for(lambda: said("differ from the leader's", "ERROR"), 10, what="the follower's error line")
+        errors = sum("differ from the leader's" in r.getMessage() for r in caplog.records)
+        odd.reload_tenants(odd.settings.model_copy(update={"token": served.settings.token}))  # the file fixed
+        wait_for(lambda: said("match the leader's again", "WARNING"), 10, what="the follower to say they match")
+        assert odd._digests is not None and odd._digests.mismatch is None
+        later = sum("differ from the leader's" in r.getMessage() for r in caplog.records)
+        assert later == errors, "a mismatch said again after the tenants were fixed"
+    finally:
+        odd.stop()
+
+
 def test_while_no_manager_leads_a_call_is_held_then_answered_503_no_leader(etcd, tmp_path, store_url,
                                                                            monkeypatch) -> None:
     # a leader that publishes no API: nobody to forward to, as while a dead leader's lease runs out
