@@ -324,3 +324,31 @@ def test_node_rm_forgets_a_down_node(tmp_path, manager_proc) -> None:
                           env=env, timeout=60)
     assert gone.returncode == 0, gone.stderr
     assert manager_proc.node("leaving") is None
+
+
+def test_an_exit_detail_nested_without_end_is_cut_and_every_view_still_answers(stack) -> None:
+    """A node's own event may carry any ``detail``; one nested 500 deep once made every list of containers a 500."""
+    agent = stack.agent("deep")
+    placed = stack.place("deep")
+    deep: dict = {}
+    level = deep
+    for _ in range(500):
+        level["more"] = {}
+        level = level["more"]
+    wide = {f"k{i}": i for i in range(10_000)}
+    report = agent.reports[placed["id"]].model_copy(update={"state": "exited", "exit_code": 3})
+    agent.send(protocol.ContainerEvent(node="deep", container=report, detail={"deep": deep, "wide": wide}))
+    def exited():
+        answer = stack.client.get(f"/v1/containers/{placed['id']}")
+        return answer if answer.status_code != 200 or answer.json["state"] == "exited" else None
+
+    record = wait_for(exited, 10, what="the exit to be recorded")
+    assert record.status_code == 200, record.json
+    for path in ("/v1/containers", f"/v1/containers/{placed['id']}", "/v1/events", "/v1/nodes", "/metrics"):
+        answer = stack.client.get(path)
+        assert answer.status_code == 200, (path, answer.status_code)
+    detail = record.json["detail"]
+    depth, level = 0, detail["deep"]
+    while isinstance(level, dict) and "more" in level:
+        depth, level = depth + 1, level["more"]
+    assert depth < 10 and len(detail["wide"]) <= 64, (depth, len(detail["wide"]))

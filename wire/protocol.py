@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gpumgr.wire import defaults, envelope
 from gpumgr.wire.envelope import VERSION, new_id
@@ -252,6 +252,23 @@ class Signal(Message):
     signal: str = Field(pattern=SIGNAL.pattern, max_length=20)
 
 
+#: How deep and how wide a node's free-form ``detail`` is kept: an overrun report is two levels deep,
+#: and nothing a node sends may be nested so deep that the views serving it run out of stack.
+DETAIL_DEPTH = 6
+DETAIL_ITEMS = 64
+
+
+def bounded(value: Any, depth: int = DETAIL_DEPTH) -> Any:
+    """``value`` with containers nested past ``depth`` replaced by ``"…"`` and at most ``DETAIL_ITEMS`` wide."""
+    if depth <= 0 and isinstance(value, dict | list | tuple):
+        return "…"
+    if isinstance(value, dict):
+        return {k: bounded(v, depth - 1) for k, v in list(value.items())[:DETAIL_ITEMS]}
+    if isinstance(value, list | tuple):
+        return [bounded(v, depth - 1) for v in list(value)[:DETAIL_ITEMS]]
+    return value
+
+
 class ContainerEvent(Message):
     """Agent → manager, as it happens: a managed container changed state (exited, killed, removed)."""
 
@@ -259,6 +276,13 @@ class ContainerEvent(Message):
     node: str
     container: ContainerReport
     detail: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("detail")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """Cut at the boundary: the manager keeps and serves this, and a node may send anything."""
+        cut: dict[str, Any] = bounded(value)
+        return cut
 
 
 class Reserve(Message):
