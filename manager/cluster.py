@@ -22,45 +22,26 @@ from gpumgr.manager.lifecycle import ENDED, Lifecycle
 from gpumgr.manager.queue import QueueJournal, WaitQueue
 from gpumgr.manager.quotas import Quotas
 from gpumgr.manager.reconcile import Reconciler
-from gpumgr.manager.records import Command, Container, Op, OpKind, PlacementSpec
+from gpumgr.manager.records import Command, Container, OpKind, PlacementSpec
+from gpumgr.manager.replies import Replies
 from gpumgr.manager.resize import Resizer
 from gpumgr.manager.scheduler import place
 from gpumgr.manager.tenants import Tenant, TenantBook
 from gpumgr.manager.views import MapReads
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.errors import (
-    AgentFailed,
     AgentTimeout,
     Conflict,
-    GpumgrError,
-    InvalidRequest,
     NoAgents,
     NoFit,
     NotFound,
-    PolicyDenied,
     QuotaExceeded,
 )
-from gpumgr.wire.names import LIVE, EventType, State
+from gpumgr.wire.names import EventType, State
 from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuSample, RefusedAdoption
 from gpumgr.wire.units import format_bytes
 
 log = logging.getLogger(__name__)
-
-#: Agent error codes that are the caller's mistake (a bad image reference, an unknown image, a bad command).
-CALLER_ERRORS: dict[str, type[GpumgrError]] = {"invalid_request": InvalidRequest, "image_not_found": InvalidRequest,
-                                               "bad_command": InvalidRequest, "conflict": Conflict}
-
-
-def agent_error(node: str, error: protocol.ErrorBody | None, what: str) -> GpumgrError:
-    """The error a REST caller gets for a node's refusal: the engine's words, 4xx where it was the caller's fault."""
-    message = error.message if error is not None else "unknown error"
-    if error is not None and error.code == PolicyDenied.code:  # the node's own policy: 403 with its rule
-        return PolicyDenied.from_wire(f"node {node} refused: {message}")
-    kind = CALLER_ERRORS.get(error.code if error is not None else "")
-    if kind is not None:
-        return kind(f"node {node} {what}: {message}", code=error.code if error is not None else None)
-    return AgentFailed(f"node {node} {what}: {message}")
-
 
 #: ``Placement(name)`` goes through the enum's lookup machinery; a dict is a tenth of its cost
 
@@ -100,6 +81,7 @@ class Cluster(MapReads):
         self.dispatcher = Dispatch(self.life)
         self.reconciler = Reconciler(self.life, down_after=down_after, forget_after=forget_after)
         self.resizer = Resizer(self.life, self.dispatcher, defaults.REMOVE_TIMEOUT)
+        self.replies = Replies(self.life, self.dispatcher, self.resizer, self.reconciler)
         self.queue_max = defaults.QUEUE_MAX
         #: how long a node has to answer a create before the manager stops waiting
         self.create_timeout = defaults.CREATE_TIMEOUT
@@ -173,7 +155,7 @@ class Cluster(MapReads):
             for record in [r for r in self.ledger.records.values() if r.op is not None
                            and now > r.op.deadline + defaults.CREATE_MARGIN]:
                 assert record.op is not None  # an answer the link never delivered: settle it as lost
-                commands += self._settle(Command(record.op.kind, record, record.op), None,
+                commands += self.replies.settle(Command(record.op.kind, record, record.op), None,
                                          AgentTimeout(f"node {record.node} never answered the {record.op.kind}"))
             return down, commands
 
@@ -328,63 +310,7 @@ class Cluster(MapReads):
                sent: bool = True) -> list[Command]:
         """A node answered ``command`` (``reply``), or did not (``error``); return the follow-up commands."""
         with self.lock:
-            return self._settle(command, reply, error, sent=sent)
-
-    def _settle(self, command: Command, reply: protocol.Reply | None, error: Exception | None, *,
-                sent: bool = True) -> list[Command]:
-        record, op = command.record, command.op
-        if not self.life.current(record, op):
-            return []  # a reply for an older operation: ignored
-        lost = error if isinstance(error, GpumgrError) else AgentFailed(f"node {record.node}: {error}")
-        ok = reply is not None and reply.ok
-        if command.kind is OpKind.CREATE:
-            self._settle_create(record, op, reply, lost, sent)
-        elif command.kind is OpKind.REMOVE:
-            gone = ok or (reply is not None and reply.error is not None and reply.error.code == "not_found")
-            if gone:
-                record.op = None  # done: the move below must not fail it; its waiter is woken after the move
-                self.life.move(record, State.REMOVED)
-                self.life.end_op(record, op)
-            elif reply is not None or not sent:
-                refused = agent_error(record.node, reply.error, "could not remove the container") \
-                    if reply is not None else lost
-                if record.desired is State.PREEMPTED:
-                    self.dispatcher.preemption_failed(record)
-                else:
-                    self.life.desire(record, State.RUNNING)
-                runs_on = "; it runs on" if record.state in LIVE else ""
-                self.life.event(EventType.FAILED, f"removal failed: {refused.message}{runs_on}", record)
-                self.life.end_op(record, op, refused)
-            else:  # unanswered: its desired state stays; the next heartbeat shows whether it is gone
-                self.life.end_op(record, op, lost)
-        else:
-            said = agent_error(record.node, reply.error, "could not resize the grant") if reply and not ok else None
-            self.resizer.settle(record, op, ok, said or (None if ok else lost), reply is not None or not sent)
-        follow = self.reconciler.follow_up(record) if record.state in LIVE else None
-        return [follow] if follow is not None else []
-
-    def _settle_create(self, record: Container, op: Op, reply: protocol.Reply | None, lost: GpumgrError,
-                       sent: bool) -> None:
-        if reply is not None and reply.ok:
-            try:
-                report = ContainerReport(**(reply.result or {}))
-            except (TypeError, ValueError) as exc:
-                reply = protocol.Reply(ok=False, error=protocol.ErrorBody(code="protocol_error", message=str(exc)))
-            else:
-                record.container_id = report.container_id
-                self.life.move(record, State.RUNNING)
-                self.life.end_op(record, op)  # after the move: whoever waits on it sees it running
-                return
-        if reply is not None or not sent or isinstance(lost, NoAgents):  # refused or never delivered: nothing made
-            refused = agent_error(record.node, reply.error if reply else None, "could not start the container") \
-                if reply is not None else lost
-            self.life.outcome("failed")
-            self.life.move(record, State.FAILED, refused.message, error=refused)
-            return
-        # unanswered: the container may exist; it goes once its node reports it, or its deadline ends the grant
-        self.life.desire(record, State.REMOVED, f"its create was not answered in time ({lost.message})")
-        record.deadline = self.clock.monotonic() + 2 * self.down_after + defaults.CREATE_MARGIN
-        self.life.end_op(record, op, lost)
+            return self.replies.settle(command, reply, error, sent=sent)
 
     def finish(self, cid: str, state: State, *, reason: str | None = None, exit_code: int | None = None,
                detail: dict[str, Any] | None = None, finished_at: float | None = None,
