@@ -397,6 +397,15 @@ def document() -> dict[str, Any]:
                     query("type", "only events of these types (a comma list)", maxLength=api.MAX_TYPES_QUERY)],
             op_id="listEvents")},
     }
+    # OpenAPI links: what a record's id leads to, so a client (and schemathesis's stateful phase) can
+    # chain a create to the calls on the container it made
+    follow_ups = (("GetContainer", "getContainer"), ("ResizeContainer", "resizeContainer"),
+                  ("KillContainer", "killContainer"), ("RemoveContainer", "removeContainer"))
+    by_id = {name: {"operationId": op, "parameters": {"cid": "$response.body#/id"},
+                    "description": "the record the answer holds"} for name, op in follow_ups}
+    for route, method, status in (("/v1/containers", "post", "201"), ("/v1/containers", "post", "202"),
+                                  ("/v1/containers/{cid}", "get", "200"), ("/v1/containers/{cid}", "patch", "200")):
+        paths[route][method]["responses"][status]["links"] = by_id
     return {
         "openapi": "3.1.0",
         "info": {"title": "gpumgr manager", "version": VERSION,
