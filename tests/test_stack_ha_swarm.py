@@ -10,6 +10,7 @@ places while the first container keeps its grant.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,6 +24,9 @@ import requests
 from tests.faults.engine import ThrowawayEngine
 from tests.images import busybox_tar
 from tests.procs import ROOT, free_port, wait_for
+
+#: building the image on a cold cache (debootstrap) and a stack's teardown outlast the default per-test limit
+pytestmark = pytest.mark.timeout(900)
 
 GiB = 1 << 30
 STACK = "ha"
@@ -59,13 +63,20 @@ def engine(docker_client):
         yield engine
     finally:
         docker(engine, "stack", "rm", STACK, check=False)
-        docker(engine, "swarm", "leave", "--force", check=False)
-        engine.stop()
+        # leaving while the stack's containers are still going can hang the 20.10 engine for good (its
+        # network store retries one endpoint's delete forever): wait for them, and never let leave block
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: not docker(engine, "ps", "-aq", "--filter", f"label=com.docker.stack.namespace={STACK}",
+                                        check=False).stdout.strip(), 60, interval=1.0,
+                     what="the stack's containers to go")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            docker(engine, "swarm", "leave", "--force", check=False, timeout=30)
+        engine.stop()  # kills the engine if it did not stop
 
 
-def docker(engine: ThrowawayEngine, *args: str, check: bool = True,
-           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=180,
+def docker(engine: ThrowawayEngine, *args: str, check: bool = True, env: dict[str, str] | None = None,
+           timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout,
                             env={**os.environ, **engine.env, **(env or {})})
     if check:
         assert result.returncode == 0, f"docker {' '.join(args)}: {result.stderr}"

@@ -6,6 +6,7 @@ or the runtime hook), so killing it never touches the engine the rest of the sui
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -61,8 +62,10 @@ class ThrowawayEngine:
         env = {**os.environ, **self.env}
         assert self.proc is not None
         if self.proc.poll() is None:
-            ids = subprocess.run(["docker", "ps", "-aq"], env=env, capture_output=True, text=True).stdout.split()
-            if ids:
-                subprocess.run(["docker", "rm", "-f", *ids], env=env, capture_output=True)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # an engine that hangs is killed below
+                ids = subprocess.run(["docker", "ps", "-aq"], env=env, capture_output=True, text=True,
+                                     timeout=30).stdout.split()
+                if ids:
+                    subprocess.run(["docker", "rm", "-f", *ids], env=env, capture_output=True, timeout=60)
         self.client.close()
         stop_engine(self.proc, self.dir)
