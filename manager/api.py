@@ -160,9 +160,11 @@ class CreateContainer(RunSpec):
     preemptible: StrictBool = Field(False, description="may be stopped (state preempted) to make room for a "
                                     "queued request of higher priority")
     queue: StrictBool = Field(False, description="wait for room (202, state queued) instead of 409 no_fit")
-    queue_timeout: StrictInt | StrictFloat | None = Field(None, gt=0, le=defaults.MAX_QUEUE_TIMEOUT,
-                                                          description="seconds to wait in the queue before "
-                                                          "the request ends as expired")
+    # one number type (a strict float takes ints too): on a union of int and float the bounds were
+    # written into the document as keywords JSON Schema does not know, so they were not published
+    queue_timeout: StrictFloat | None = Field(None, gt=0, le=defaults.MAX_QUEUE_TIMEOUT,
+                                              description="seconds to wait in the queue before the request "
+                                              "ends as expired")
 
 
 class ResizeContainer(BaseModel):

@@ -19,6 +19,7 @@ from gpumgr.manager.api import CreateContainer
 from gpumgr.manager.app import create_app
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.service import Manager
+from gpumgr.wire import defaults
 from tests.fake_agent import FakeAgent
 
 CHECKS = [schemathesis.checks.not_a_server_error, schemathesis.checks.status_code_conformance,
@@ -85,6 +86,29 @@ def test_chained_calls_match_the_document(live) -> None:
                                    phases=[Phase.generate], suppress_health_check=list(HealthCheck)))
     chained = {(method, path) for method, path, status in reached if status < 300 and "{cid}" in path}
     assert len(chained) >= 2, f"the links led to no call on a created record: {sorted(reached)}"
+
+
+def test_every_bound_is_published_in_json_schema_s_own_words() -> None:
+    """``queue_timeout``'s bounds were written as pydantic's ``gt``/``le``, which JSON Schema does not
+    know, so the document allowed a negative wait the API refuses; devices now say they are absolute."""
+    found: list[str] = []
+
+    def walk(node: object, where: str) -> None:
+        if isinstance(node, dict):
+            found.extend(f"{where}/{key}" for key in ("gt", "ge", "lt", "le") if key in node)
+            for key, value in node.items():
+                walk(value, f"{where}/{key}")
+        elif isinstance(node, list):
+            for index, value in enumerate(node):
+                walk(value, f"{where}/{index}")
+
+    document = openapi.document()
+    walk(document, "")
+    assert not found, f"bounds JSON Schema does not read: {found}"
+    create = document["components"]["schemas"]["CreateContainer"]["properties"]
+    assert create["queue_timeout"]["anyOf"][0] == {"type": "number", "exclusiveMinimum": 0,
+                                                   "maximum": defaults.MAX_QUEUE_TIMEOUT}
+    assert create["devices"]["items"]["pattern"] == "^/"
 
 
 def test_the_document_is_served_open_and_generated_from_the_models(tmp_path) -> None:

@@ -179,7 +179,8 @@ PortValue = Annotated[Any, BeforeValidator(_port_binding), WithJsonSchema({"anyO
     {"type": "array", "minItems": 2, "maxItems": 2}]})]
 Namespace = Annotated[StrictStr, Field(max_length=300), AfterValidator(_namespace)]
 Capability = Annotated[StrictStr, Field(max_length=40), AfterValidator(_capability)]
-Device = Annotated[StrictStr, Field(max_length=MAX_PATH), AfterValidator(_device)]
+Device = Annotated[StrictStr, Field(max_length=MAX_PATH), AfterValidator(_device),
+                   WithJsonSchema({"type": "string", "pattern": "^/", "maxLength": MAX_PATH})]
 Volume = Annotated[StrictStr, Field(max_length=2 * MAX_PATH + 3), AfterValidator(_volume)]
 
 
