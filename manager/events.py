@@ -20,6 +20,7 @@ from typing import Any
 
 from gpumgr.wire import defaults, security
 from gpumgr.wire.names import EventType
+from gpumgr.wire.protocol import clean_detail
 
 log = logging.getLogger(__name__)
 
@@ -27,24 +28,11 @@ log = logging.getLogger(__name__)
 OWN_KEYS = frozenset({"id", "time", "type", "node", "container", "message"})
 IDS_FILE = "event_ids.json"
 ID_BLOCK = 10_000
+#: how deep an event keeps a detail value (:func:`gpumgr.wire.protocol.clean_detail` cuts it)
 DETAIL_DEPTH = 4
-DETAIL_ITEMS = 64
 #: detail values kept as they are without a call to :func:`clean_detail`
 _ATOMS = frozenset({bool, int, float, str})
 _NAMES = {kind: str(kind) for kind in EventType}
-
-
-def clean_detail(value: Any, depth: int = DETAIL_DEPTH) -> Any:
-    """``value`` as plain JSON data, nested at most ``depth`` deep and at most ``DETAIL_ITEMS`` wide."""
-    if isinstance(value, bool | int | float | str) or value is None:
-        return value
-    if depth <= 0:
-        return "…"
-    if isinstance(value, dict):
-        return {str(k): clean_detail(v, depth - 1) for k, v in list(value.items())[:DETAIL_ITEMS]}
-    if isinstance(value, list | tuple):
-        return [clean_detail(v, depth - 1) for v in list(value)[:DETAIL_ITEMS]]
-    return str(value)
 
 
 class _IdBlocks:
@@ -127,7 +115,7 @@ class EventLog:
     def record(self, kind: EventType, message: str, /, *, node: str | None = None,
                container: str | None = None, **detail: Any) -> dict[str, Any]:
         """Append one event and return it; ``detail`` never overrides the event's own keys."""
-        extra = {k: v if v is None or type(v) in _ATOMS else clean_detail(v)
+        extra = {k: v if v is None or type(v) in _ATOMS else clean_detail(v, DETAIL_DEPTH)
                  for k, v in detail.items() if k not in OWN_KEYS} if detail else {}
         kind_name = _NAMES.get(kind) or str(kind)
         with self._lock:

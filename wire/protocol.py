@@ -258,15 +258,17 @@ DETAIL_DEPTH = 6
 DETAIL_ITEMS = 64
 
 
-def bounded(value: Any, depth: int = DETAIL_DEPTH) -> Any:
-    """``value`` with containers nested past ``depth`` replaced by ``"…"`` and at most ``DETAIL_ITEMS`` wide."""
-    if depth <= 0 and isinstance(value, dict | list | tuple):
+def clean_detail(value: Any, depth: int = DETAIL_DEPTH) -> Any:
+    """``value`` as plain JSON data, nested at most ``depth`` deep and at most ``DETAIL_ITEMS`` wide."""
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    if depth <= 0:
         return "…"
     if isinstance(value, dict):
-        return {k: bounded(v, depth - 1) for k, v in list(value.items())[:DETAIL_ITEMS]}
+        return {str(k): clean_detail(v, depth - 1) for k, v in list(value.items())[:DETAIL_ITEMS]}
     if isinstance(value, list | tuple):
-        return [bounded(v, depth - 1) for v in list(value)[:DETAIL_ITEMS]]
-    return value
+        return [clean_detail(v, depth - 1) for v in list(value)[:DETAIL_ITEMS]]
+    return str(value)
 
 
 class ContainerEvent(Message):
@@ -281,7 +283,7 @@ class ContainerEvent(Message):
     @classmethod
     def _bounded(cls, value: dict[str, Any]) -> dict[str, Any]:
         """Cut at the boundary: the manager keeps and serves this, and a node may send anything."""
-        cut: dict[str, Any] = bounded(value)
+        cut: dict[str, Any] = clean_detail(value)
         return cut
 
 
