@@ -156,7 +156,7 @@ class Cluster(MapReads):
                            and now > r.op.deadline + defaults.CREATE_MARGIN]:
                 assert record.op is not None  # an answer the link never delivered: settle it as lost
                 commands += self.replies.settle(Command(record.op.kind, record, record.op), None,
-                                         AgentTimeout(f"node {record.node} never answered the {record.op.kind}"))
+                                                AgentTimeout(f"node {record.node} never answered the {record.op.kind}"))
             return down, commands
 
     def refuse_adoptions(self, node: str, refused: list[RefusedAdoption]) -> None:
