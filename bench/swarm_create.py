@@ -15,8 +15,9 @@ Set-up (all of it from the test suite, nothing on the host's own Docker engine i
 
 Both arms run on that same engine, so **the plain service's containers pass through the hook too**:
 the hook is the engine's default runtime and a Swarm task cannot choose another. For them the shell
-launcher sees ``create``, starts Python, reads ``config.json``, finds no ``GPUMGR_REQUEST_MEMORY`` and
-execs runc; every other runtime call (start, state, kill, delete) goes from ``sh`` straight to runc.
+launcher sees ``create``, greps ``config.json``, finds no ``GPUMGR_REQUEST_MEMORY`` and execs runc;
+every other runtime call (start, state, kill, delete) goes from ``sh`` straight to runc. A GPU task's
+create goes from ``sh`` to the agent's hook pipe (no Python), which pins the bundle, then to runc.
 ``--bare-engine-reference`` adds a third arm C: plain ``docker service create`` on a second engine
 started the same way but with an empty daemon.json (runc as default runtime, no hook at all).
 
@@ -53,7 +54,8 @@ Two diagnostic modes change what runs, so their figures are not the benchmark's 
   --trace-hook  swaps the engine's installed launcher for a wrapper that notes, for every runtime call,
                 its start and end, and, for each create, the hook's phases (Python up, plugin.hook
                 imported, Reserve built, socket and envelope imported, agent answered, exec of runc), by wrapping
-                ask_agent, _reserve_message and os.execv around the unchanged hook code.
+                ask_agent, _reserve_message and os.execv around the unchanged hook code. The wrapper
+                runs the Python hook for every GPU create: it times the Python path, not the pipe.
 
     python bench/swarm_create.py [--trials 8] [--warmup 1] [--replicas 10] [--bare-engine-reference]
                                  [--trace-hook] [--json out.json]
@@ -87,7 +89,7 @@ import docker
 
 from bench import harness
 from bench.harness import IMAGE, Stack, busybox_tar, first_line, interrupt, save, stack, summary
-from gpumgr.plugin.install import HOOK_EAGER, HOOK_IMPORTS, launcher_code
+from gpumgr.plugin.launchers import HOOK_EAGER, HOOK_IMPORTS, launcher_code
 from tests.swarm import SwarmEngine
 
 SERVICE_LABEL = "com.docker.swarm.service.name"

@@ -19,12 +19,11 @@ import json
 import os
 import shutil
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any, NoReturn
 
 from gpumgr.wire import defaults
+from gpumgr.wire.bundle import gpu_in_spec, held_refusal, pin_bundle, read_bundle, runc_log_line
 from gpumgr.wire.names import Env, Label, flag_set
 from gpumgr.wire.units import parse_bytes
 
@@ -45,7 +44,6 @@ RUNTIME_CANDIDATES = ("nvidia-container-runtime", "runc")
 #: What the launcher greps a bundle for besides the request: GPU nodes, their device rules, an allow-all
 #: rule, the NVIDIA prestart hook. Such a container is checked here to hold a grant (:func:`gpu_in_spec`).
 GPU_SPEC_PATTERN = r'/dev/nvidia|"major":195[,}]|nvidia-container-runtime-hook|"allow":true,"access"'
-GPU_MAJOR = 195
 SEARCH_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
 
@@ -94,12 +92,10 @@ def prepare(args: list[str], config: dict[str, Any]) -> bool:
     Returns whether it did (the container then holds a grant).
     """
     bundle, container_id = _create_target(args)
-    spec_path = Path(bundle) / "config.json"
-    try:
-        spec = json.loads(spec_path.read_text())
-        env = _env_map(spec["process"].get("env", []))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    read = read_bundle(bundle)
+    if read is None:
         return False  # not a bundle we can read: the real runtime reports that in its own words
+    spec_path, spec, env = read
     if REQUEST_MEMORY in env:
         wait = defaults.HOOK_QUEUE_WAIT if flag_set(env.get(Env.REQUEST_QUEUE)) else WAIT_SECONDS
         grant = ask_agent(_reserve_message(container_id, env), _socket_path(config), wait)
@@ -107,29 +103,8 @@ def prepare(args: list[str], config: dict[str, Any]) -> bool:
         grant = _held_grant(container_id, gpu, config)
     else:
         return False
-    env.update(grant["env"])
-    spec["process"]["env"] = [f"{k}={v}" for k, v in env.items()]
-    spec.setdefault("annotations", {})[Label.GRANT] = grant["grant"]
-    _write_atomically(spec_path, json.dumps(spec))
+    pin_bundle(spec_path, spec, env, grant)
     return True
-
-
-
-def gpu_in_spec(spec: dict[str, Any]) -> str | None:
-    """What in an OCI spec gives the container a GPU (NVIDIA nodes, their device rules, the NVIDIA hook), or None."""
-    linux = spec.get("linux") or {}
-    for device in linux.get("devices") or []:
-        if str(device.get("path", "")).startswith("/dev/nvidia") or device.get("major") == GPU_MAJOR:
-            return f"it carries the GPU device {device.get('path')}"
-    for rule in (linux.get("resources") or {}).get("devices") or []:
-        if rule.get("allow") and (rule.get("major") == GPU_MAJOR or (rule.get("major") is None
-                                                                     and rule.get("type") in (None, "a"))):
-            return f"its device rules open GPU devices ({rule})"
-    for stage in ("prestart", "createRuntime"):
-        for hook in (spec.get("hooks") or {}).get(stage) or []:
-            if "nvidia" in str(hook.get("path", "")):
-                return f"it runs the NVIDIA hook {hook.get('path')}"
-    return None
 
 
 def _held_grant(container_id: str, gpu: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -139,8 +114,7 @@ def _held_grant(container_id: str, gpu: str, config: dict[str, Any]) -> dict[str
     try:
         return ask_agent(message, _socket_path(config))
     except Refused as exc:
-        raise Refused(f"gpumgr: refused: {gpu} but holds no gpumgr grant ({exc}); ask gpumgr for a GPU: "
-                      "'docker gpu run --gpu-memory SIZE ...'") from None
+        raise Refused(held_refusal(gpu, str(exc))) from None
 
 
 def ask_agent(request: dict[str, Any], socket_path: str, wait: float = WAIT_SECONDS) -> dict[str, Any]:
@@ -242,22 +216,6 @@ def _create_target(args: list[str]) -> tuple[str, str]:
     return bundle, positional[-1]
 
 
-def _env_map(entries: list[str]) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for entry in entries:
-        key, _, value = entry.partition("=")
-        env[key] = value
-    return env
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".gpumgr-")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-
-
 def _socket_path(config: dict[str, Any]) -> str:
     return os.environ.get(Env.HOOK_SOCKET) or config.get("hook_socket") or DEFAULT_SOCKET
 
@@ -273,11 +231,9 @@ def _config() -> dict[str, Any]:
 def _fail(log_file: str | None, message: str) -> NoReturn:
     """Fail the runtime call the way runc does: an error line in the ``--log`` file, exit status 1."""
     if log_file:
-        line = json.dumps({"level": "error", "msg": message, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                  time.gmtime())})
         try:
             with open(log_file, "a") as handle:
-                handle.write(line + "\n")
+                handle.write(runc_log_line(message) + "\n")
         except OSError:
             pass
     sys.exit(1)

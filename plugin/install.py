@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -76,76 +75,13 @@ from gpumgr.plugin.engine import reload_and_check
 from gpumgr.plugin.engine import status as engine_status
 from gpumgr.plugin.files import Change, apply, mode_of, read_bytes, sha256_of
 from gpumgr.plugin.hook import CONFIG as RUNTIME_CONFIG
-from gpumgr.plugin.hook import DEFAULT_SOCKET, GPU_SPEC_PATTERN, REQUEST_MEMORY, RUNTIME_CANDIDATES, SEARCH_PATH
-from gpumgr.plugin.launchers import CLI_IMPORTS, CLI_MODULE, HOOK_EAGER, HOOK_IMPORTS, HOOK_MODULE, launcher_code
-from gpumgr.wire.names import Env
+from gpumgr.plugin.hook import DEFAULT_SOCKET, RUNTIME_CANDIDATES, SEARCH_PATH
+from gpumgr.plugin.launchers import MARK, cli_launcher, hook_launcher
 
 PLAIN_RUNTIME = "runc"
-#: The first line after ``#!``: uninstall removes only launchers that carry it.
-MARK = "# installed by 'gpumgr plugin install'"
 BACKUP_SUFFIX = ".before-gpumgr"
 #: The settings file's record of what install did, for uninstall.
 STATE_KEY = "installed"
-#: What a launcher says (exit status 127, as a shell does for a missing command) when its Python is gone.
-MISSING_PYTHON = ("{program}: the Python that 'gpumgr plugin install' used, {python}, is not there any more (its "
-                  "virtual environment moved or was deleted); run 'gpumgr plugin install' again with gpumgr's Python")
-#: The CLI plugin: Docker asks every plugin for its metadata on many commands; answer that without Python.
-CLI_LAUNCHER = """#!/bin/sh
-{mark}
-if [ "$1" = docker-cli-plugin-metadata ]; then
-  echo '{metadata}'
-  exit 0
-fi
-if [ ! -x {python} ]; then
-  echo {missing_q} >&2
-  exit 127
-fi
-exec {python} -I -S -c {code} "$@"
-"""
-#: The runtime hook is called for every runtime operation of every container on the node (state,
-#: start, kill, delete, ...). Only the ``create`` of a container whose bundle asks for GPU memory
-#: needs Python (and the GPU runtime); everything else goes straight to the plain runtime.
-HOOK_LAUNCHER = """#!/bin/sh
-{mark}: only the creates of containers that ask gpumgr for GPU memory go
-# through gpumgr (and then to the GPU runtime its settings name); everything else goes to $plain
-plain={plain_q}
-skip=0
-command=
-log=
-for arg in "$@"; do
-  if [ "$skip" = 1 ]; then skip=0; [ "$log" = next ] && log=$arg; continue; fi
-  case "$arg" in
-    --log) skip=1; log=next ;;
-    --log=*) log=${{arg#--log=}} ;;
-    --root|--log-format|--criu|--rootless) skip=1 ;;
-    -*) ;;
-    *) command=$arg; break ;;
-  esac
-done
-if [ "$command" = create ]; then
-  bundle=.
-  previous=
-  for arg in "$@"; do
-    case "$previous" in --bundle|-b) bundle=$arg ;; esac
-    case "$arg" in --bundle=*) bundle=${{arg#--bundle=}} ;; esac
-    previous=$arg
-  done
-  if grep -qE '"{marker}=|{gpu_pattern}' "$bundle/config.json" 2>/dev/null; then
-    if [ ! -x {python} ]; then
-      # the Python install used has moved or gone: fail this create as runc fails one, and say why
-      echo {missing_q} >&2
-      [ -n "$log" ] && [ "$log" != next ] && echo {missing_json_q} >> "$log"
-      exit 127
-    fi
-    {config_env}={config_q}
-    export {config_env}
-    exec {python} -I -S -c {code} "$@"
-  fi
-fi
-exec "${{{runc_env}:-$plain}}" "$@"
-"""
-
-
 def add_path_arguments(parser: argparse.ArgumentParser, reload: bool = True) -> None:
     """The paths ``install`` writes, ``uninstall`` restores or removes and ``status`` reads; the engine's options."""
     parser.add_argument("--daemon-config", default="/etc/docker/daemon.json", help="the Docker engine's daemon.json")
@@ -277,19 +213,9 @@ def _plan_install(args: argparse.Namespace) -> tuple[list[Change], list[str], bo
     state.update({"daemon_config": str(daemon_path), "backup": str(backup) if backup.exists() or backup_data
                   is not None else None, "hook": str(hook), "cli_plugin": str(cli)})
 
-    python = shlex.quote(sys.executable)
-    hook_missing = MISSING_PYTHON.format(program="gpumgr-runtime", python=sys.executable)
-    hook_text = HOOK_LAUNCHER.format(
-        mark=MARK, python=python, plain_q=shlex.quote(plain), config_q=shlex.quote(str(runtime_config)),
-        missing_q=shlex.quote(hook_missing), missing_json_q=shlex.quote(json.dumps({"level": "error",
-                                                                                  "msg": hook_missing})),
-        config_env=Env.RUNTIME_CONFIG, runc_env=Env.RUNC,
-        marker=REQUEST_MEMORY, code=shlex.quote(launcher_code(HOOK_MODULE, HOOK_IMPORTS, HOOK_EAGER)),
-        gpu_pattern=GPU_SPEC_PATTERN)  # issue 22: a GPU spec without a request goes to the hook, which checks its grant
-    cli_text = CLI_LAUNCHER.format(mark=MARK, python=python, metadata=json.dumps(METADATA),
-                                   missing_q=shlex.quote(MISSING_PYTHON.format(program="docker gpu",
-                                                                               python=sys.executable)),
-                                   code=shlex.quote(launcher_code(CLI_MODULE, CLI_IMPORTS)))
+    hook_text = hook_launcher(plain=plain, gpu=gpu_runtime, runtime_config=str(runtime_config),
+                              hook_socket=args.hook_socket)
+    cli_text = cli_launcher(json.dumps(METADATA))
     settings = {"runtime": gpu_runtime, "plain_runtime": plain, "hook_socket": args.hook_socket, STATE_KEY: state}
     changes = [Change(hook, hook_text.encode(), 0o755), Change(cli, cli_text.encode(), 0o755),
                Change(runtime_config, (json.dumps(settings, indent=2) + "\n").encode())]

@@ -65,6 +65,8 @@ class Env(StrEnum):
     RUNC = "GPUMGR_RUNC"
     HOOK_SOCKET = "GPUMGR_HOOK_SOCKET"
     RUNTIME_CONFIG = "GPUMGR_RUNTIME_CONFIG"
+    #: Seconds the shell launcher waits for the agent to take its request off the hook pipe (tests shorten it).
+    HOOK_PIPE_WAIT = "GPUMGR_HOOK_PIPE_WAIT"
 
 
 class State(StrEnum):
