@@ -119,7 +119,8 @@ class Agent:
         if self.enforcer is not None:
             threading.Thread(target=self.enforcer.run, name="enforcer", daemon=True).start()
         if self.hook_socket:
-            self._relay = bind_relay(self.hook_socket, self.link, self.runtime, self.node, self.registered)
+            self._relay = bind_relay(self.hook_socket, self.link, self.runtime, self.node, self.registered,
+                                     self._pool)
         client = getattr(self.runtime, "client", None)
         if client is not None:  # the engine's API may be slow: never on the link's thread
             threading.Thread(target=swarm_labels.publish, args=(client, self.devices), name="swarm-labels",

@@ -34,9 +34,11 @@ import logging
 import os
 import re
 import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpumgr.agent import procmap
 from gpumgr.wire import hookpipe
 from gpumgr.wire.bundle import runc_log_line
 from gpumgr.wire.hookpipe import fifo_path, pid_path, reply_prefix
@@ -58,6 +60,8 @@ class FifoRequest:
     reply: int
     bundle: str
     container_id: str
+    #: Set by the one answer: the descriptor is closed then, and its number may already be another file's.
+    answered: bool = False
 
 
 class HookFifo:
@@ -77,9 +81,10 @@ class HookFifo:
         # read-write: the pipe always has a writer (this one), so a launcher closing it is no end of file
         self.fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
         self._buffer = bytearray()
-        self.pending: set[int] = set()
+        self.pending: dict[int, FifoRequest] = {}
+        self._answering = threading.Lock()  # answers come from the link's thread and the agent's pool
         tmp = self.pid_file.with_name(self.pid_file.name + ".tmp")
-        tmp.write_text(f"{os.getpid()}\n")
+        tmp.write_text(f"{host_pid()}\n")
         os.replace(tmp, self.pid_file)
 
     def fileno(self) -> int:
@@ -104,8 +109,12 @@ class HookFifo:
         return [request for line in lines if (request := self._accept(line)) is not None]
 
     def answer(self, request: FifoRequest, line: str) -> None:
-        """Send the one-line answer and close; a launcher that gave up is not an error."""
-        self.pending.discard(request.reply)
+        """Send the one-line answer and close; a launcher that gave up is not an error. Only the first counts."""
+        with self._answering:
+            if request.answered:
+                return
+            request.answered = True
+            self.pending.pop(request.reply, None)
         with contextlib.suppress(OSError):
             os.write(request.reply, line.encode() + b"\n")
         with contextlib.suppress(OSError):
@@ -117,16 +126,18 @@ class HookFifo:
 
     def close(self) -> None:
         """Stop serving: unanswered launchers see their pipe end; the pipe and the PID file are removed."""
-        for fd in self.pending:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.pending.clear()
+        with self._answering:
+            for request in self.pending.values():
+                request.answered = True
+                with contextlib.suppress(OSError):
+                    os.close(request.reply)
+            self.pending.clear()
         with contextlib.suppress(OSError):
             os.close(self.fd)
         with contextlib.suppress(OSError):
             self.path.unlink()
         with contextlib.suppress(OSError, ValueError):
-            if int(self.pid_file.read_text()) == os.getpid():
+            if int(self.pid_file.read_text()) == host_pid():
                 self.pid_file.unlink()
 
     def _accept(self, raw: bytes) -> FifoRequest | None:
@@ -153,15 +164,27 @@ class HookFifo:
         with contextlib.suppress(OSError):
             reply.unlink()  # the launcher holds it open; its name is not needed any more
         request = FifoRequest(fd, bundle, container_id)
+        self.pending[fd] = request
         if not CONTAINER_ID.fullmatch(container_id) or not bundle.startswith("/"):
             self.refuse(request, f"gpumgr: the runtime hook sent no valid create (bundle {bundle[:200]!r}, "
                                  f"container {container_id[:200]!r})")
             return None
-        if len(self.pending) >= MAX_PENDING:
+        if len(self.pending) > MAX_PENDING:
             self.answer(request, hookpipe.PYTHON)  # the Python hook's socket has its own bound and says so
             return None
         with contextlib.suppress(OSError):
             os.write(fd, hookpipe.WAIT.encode() + b"\n")
-        self.pending.add(fd)
         return request
 
+
+def host_pid() -> int:
+    """This process's PID as the host's launchers see it, for their ``kill -0`` check.
+
+    An agent in a container (a Swarm service cannot share the host's PID namespace) reads the host's
+    processes through the host's ``/proc`` (``proc_root``), whose ``self`` names it in the host's
+    namespace; its own ``os.getpid()`` would be a number that means another process on the host.
+    """
+    try:
+        return int(os.readlink(os.path.join(procmap.root(), "self")))
+    except (OSError, ValueError):
+        return os.getpid()

@@ -18,7 +18,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from typing import Any
 
 from gpumgr.agent.hookfifo import FifoRequest, HookFifo
@@ -43,13 +43,14 @@ class HookRelay:
     """Serve ``listener``'s (and ``fifo``'s) requests through ``link`` for ``node``; answer each hook once."""
 
     def __init__(self, listener: HookListener, link: Link, runtime: Runtime, node: str,
-                 registered: threading.Event, fifo: HookFifo | None = None) -> None:
+                 registered: threading.Event, fifo: HookFifo | None = None, pool: Executor | None = None) -> None:
         self.listener = listener
         self.link = link
         self.runtime = runtime
         self.node = node
         self.registered = registered
         self.fifo = fifo
+        self.pool = pool
 
     def descriptors(self) -> set[int]:
         """The descriptors the link's poller watches for the hook."""
@@ -62,7 +63,7 @@ class HookRelay:
         """Read what the readable descriptors hold and forward each whole request."""
         if self.fifo is not None and self.fifo.fileno() in fds:
             for request in self.fifo.ready():
-                self._serve_bundle(request)
+                self._off_the_link(self._serve_bundle, request, functools.partial(self._refuse, request))
         for conn, frame in self.listener.ready(fds):
             try:
                 envelope, message = protocol.decode(frame)
@@ -70,7 +71,30 @@ class HookRelay:
                 log.warning("dropped a malformed message from the runtime hook: %s", exc)
                 self.listener.drop(conn)
                 continue
-            self._forward(message, envelope.type, functools.partial(self._answer, conn, envelope.id))
+            answer = functools.partial(self._answer, conn, envelope.id)
+            self._off_the_link(self._forward, (message, envelope.type, answer), answer)
+
+    def _off_the_link(self, work: Callable[..., None], args: Any, answer: Answer) -> None:
+        """Run ``work(*args)`` on the pool: it reads the bundle and asks the engine, and ten tasks of a
+        service are created at once; the link's thread only reads requests and sends frames.
+
+        Whatever goes wrong there is still an answer (a hook waits for one), never a silent end.
+        """
+        def guarded() -> None:
+            try:
+                work(*(args if isinstance(args, tuple) else (args,)))
+            except Exception as exc:  # an engine that fails, a bundle that vanished: say so to the hook
+                log.exception("a runtime hook request failed")
+                answer(None, ("agent_error", f"the agent failed to serve the request: {exc}"))
+
+        if self.pool is None:
+            guarded()
+        else:
+            self.pool.submit(guarded)
+
+    def _refuse(self, request: FifoRequest, result: dict[str, Any] | None, error: tuple[str, str] | None) -> None:
+        assert self.fifo is not None
+        self.fifo.refuse(request, f"gpumgr: {error[1] if error else 'refused'}")
 
     def expire(self) -> None:
         """Close hook connections that never sent a whole request."""
@@ -159,7 +183,8 @@ class HookRelay:
         self.listener.answer(conn, protocol.encode(reply, reply_to=msg_id))
 
 
-def bind_relay(path: str, link: Link, runtime: Runtime, node: str, registered: threading.Event) -> HookRelay | None:
+def bind_relay(path: str, link: Link, runtime: Runtime, node: str, registered: threading.Event,
+               pool: Executor | None = None) -> HookRelay | None:
     """A relay on the root-only socket ``path`` and its pipe; None (and a warning) if the socket cannot be bound."""
     try:
         listener = HookListener(path, defaults.HOOK_TIMEOUT)
@@ -172,4 +197,4 @@ def bind_relay(path: str, link: Link, runtime: Runtime, node: str, registered: t
         log.warning("no pipe for the shell launcher beside %s (%s): GPU tasks' creates start Python", path, exc)
         fifo = None
     log.info("runtime hook socket on %s%s", path, f", pipe {fifo.path}" if fifo is not None else "")
-    return HookRelay(listener, link, runtime, node, registered, fifo)
+    return HookRelay(listener, link, runtime, node, registered, fifo, pool)

@@ -266,3 +266,67 @@ def test_without_a_live_agent_behind_the_pipe_the_launcher_uses_the_socket_path(
         fifo.close()
     assert result.returncode == 127  # the Python hook's path (its Python is gone here), not a hang
     assert fifo.path.exists() is False
+
+
+def test_the_pid_file_names_the_agent_as_the_host_sees_it(root, monkeypatch):
+    """In a container the agent reads the host's /proc (``proc_root``): its own getpid() means another process there."""
+    from gpumgr.agent import hookfifo, procmap
+
+    assert hookfifo.host_pid() == os.getpid()
+    host_proc = root / "host-proc"
+    host_proc.mkdir()
+    (host_proc / "self").symlink_to("424242")  # what the host's /proc/self says to this process
+    monkeypatch.setattr(procmap, "_root", str(host_proc))
+    fifo = HookFifo(str(root / "run" / "agent.sock"))
+    try:
+        assert fifo.pid_file.read_text() == "424242\n"
+    finally:
+        fifo.close()
+    assert not fifo.pid_file.exists() and not fifo.path.exists()
+
+
+class _FailingEngine:
+    """A Docker runtime whose engine fails mid-request (its API gone, say): only what the relay calls."""
+
+    mps = False
+
+    def holder_of(self, container_id: str) -> None:
+        return None
+
+    def engine_request(self, message: Any) -> Any:
+        raise ConnectionError("the engine's API socket is gone")
+
+    def track_task(self, *args: Any) -> Any:
+        raise AssertionError("nothing is granted")
+
+
+def test_a_request_that_fails_inside_the_agent_is_still_answered(root, capsys):
+    """Work runs on the agent's pool: an exception there must reach the launcher as a refusal, never a hang."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpumgr.agent.hooklink import HookListener
+    from gpumgr.agent.hookrelay import HookRelay
+
+    socket_path = str(root / "run" / "agent.sock")
+    registered = threading.Event()
+    registered.set()
+    pool = ThreadPoolExecutor(2)
+    relay = HookRelay(HookListener(socket_path, 5.0), link=None, runtime=_FailingEngine(),  # type: ignore[arg-type]
+                      node="n1", registered=registered, fifo=HookFifo(socket_path), pool=pool)
+    launcher = Launcher(root, socket_path, capsys)
+    proc = subprocess.Popen(launcher.argv(launcher.bundle([f"{Env.REQUEST_MEMORY}=1GiB"]), "a" * 64),
+                            env=launcher.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while proc.poll() is None and time.monotonic() < deadline:
+            relay.on_ready(relay.descriptors())
+            time.sleep(0.01)
+        assert proc.wait(timeout=5) == 1
+    finally:
+        proc.kill()
+        proc.communicate()
+        relay.close()
+        pool.shutdown()
+    assert "the agent failed to serve the request: the engine's API socket is gone" in launcher.logged()[-1]["msg"]
+    assert launcher.runtime_calls() == []
