@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from gpumgr.client import Client, ManagerUnreachable, Stream
 from gpumgr.plugin.placement import NOTHING, Wanted, allowed_sizes, swarm_constraints, take_constraints
@@ -26,7 +24,7 @@ from gpumgr.wire.units import format_bytes, parse_bytes
 METADATA = {"SchemaVersion": "0.1.0", "Vendor": "gpumgr", "Version": "0.1.0",
             "ShortDescription": "GPU memory grants for containers and Swarm services"}
 DEFAULT_MANAGER = "http://127.0.0.1:9400"
-CONFIG_PATH = Path("~/.config/gpumgr/plugin.yaml")
+CONFIG_PATH = "~/.config/gpumgr/plugin.yaml"
 TIMEOUT = defaults.CLI_TIMEOUT
 #: Swarm expands these templates per task; the runtime hook reads them when the task's container is created.
 TASK_TEMPLATES = {Env.TASK: "{{.Task.ID}}", Env.TASK_NAME: "{{.Task.Name}}",
@@ -336,11 +334,30 @@ def _count(text: str) -> int:
     return int(text)
 
 
-def _docker(args: list[str]) -> int:
+def _docker(args: list[str]) -> NoReturn:
+    """Become ``docker ARGS``: its exit status is ours, and no Python is left to wait and tear down.
+
+    ``docker gpu service create`` ends here; its time to the service's first task is the Python's
+    start-up plus this hand-over, so ``subprocess`` is not even imported on this path.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvp("docker", ["docker", *args])
+    except OSError as exc:
+        raise PluginError(f"cannot run docker: {exc}") from None
+
+
+def _docker_call(args: list[str]) -> int:
+    """Run ``docker ARGS`` and return its exit status (for a caller with work after it)."""
+    import subprocess
+
     return subprocess.call(["docker", *args])
 
 
 def _docker_json(args: list[str]) -> list[dict[str, Any]]:
+    import subprocess
+
     result = subprocess.run(["docker", *args], capture_output=True, text=True)
     if result.returncode != 0:
         raise PluginError(result.stderr.strip() or f"docker {' '.join(args)} failed")
@@ -354,13 +371,14 @@ def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
 
 
 def _settings() -> dict[str, Any]:
-    path = CONFIG_PATH.expanduser()
-    if not path.exists():
+    path = os.path.expanduser(CONFIG_PATH)
+    if not os.path.exists(path):
         return {}
     import yaml  # only when there is a file to read: this CLI should start fast
 
     try:
-        loaded = yaml.safe_load(path.read_text())
+        with open(path) as handle:
+            loaded = yaml.safe_load(handle.read())
     except (OSError, yaml.YAMLError):
         return {}
     return loaded if isinstance(loaded, dict) else {}

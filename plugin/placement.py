@@ -10,9 +10,8 @@ Swarm nodes (:mod:`gpumgr.agent.swarm_labels`), so Swarm sends such tasks only w
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpumgr.wire.constraints import GPU_CC, GPU_MEMORY, GPU_MODEL, NO_CONSTRAINTS, Constraint, Constraints, parse_all
 from gpumgr.wire.names import Env
@@ -21,8 +20,7 @@ from gpumgr.wire.names import Env
 SWARM_LABELS = {GPU_MODEL: "gpumgr.gpu.model", GPU_MEMORY: "gpumgr.gpu.memory", GPU_CC: "gpumgr.gpu.compute_capability"}
 
 
-@dataclass(frozen=True)
-class Wanted:
+class Wanted(NamedTuple):
     """A service's constraints: ``gpu.*`` ones parsed, the others as Swarm takes them (it checks those itself)."""
 
     gpu: Constraints = NO_CONSTRAINTS

@@ -37,6 +37,7 @@ from gpumgr.plugin.docker_gpu import (
     Manager,
     PluginError,
     _docker,
+    _docker_call,
     _docker_json,
     _take_options,
     constraints_of,  # issue 23
@@ -84,7 +85,7 @@ def deploy(client: Manager, argv: list[str]) -> int:
     try:
         for document in [*(strip(raw) for raw in raws), override]:
             written.append(_write(folder, document))
-        return _docker(["stack", "deploy", *(a for path in written for a in ("-c", path)), *rest])
+        return _docker_call(["stack", "deploy", *(a for path in written for a in ("-c", path)), *rest])
     finally:
         for path in written:
             Path(path).unlink(missing_ok=True)

@@ -20,8 +20,7 @@ import fnmatch
 import functools
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from gpumgr.wire.units import parse_bytes
 
@@ -56,9 +55,12 @@ class ConstraintTarget(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class Constraint:
-    """One parsed constraint; ``text`` is as written."""
+class Constraint(NamedTuple):
+    """One parsed constraint; ``text`` is as written.
+
+    A named tuple, not a dataclass: immutable and hashable all the same, and ``dataclasses`` (with the
+    ``inspect`` it imports) is most of ``docker gpu``'s import time that this module would add.
+    """
 
     text: str
     attr: str
@@ -99,8 +101,7 @@ class Constraint:
         return version(gpu.compute_capability)
 
 
-@dataclass(frozen=True)
-class Constraints:
+class Constraints(NamedTuple):
     """A request's constraints, all of which must hold; empty allows everything."""
 
     items: tuple[Constraint, ...] = ()
