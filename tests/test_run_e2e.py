@@ -131,7 +131,9 @@ def test_auto_remove_leaves_nothing_in_the_engine(manager, docker_agent, docker_
                                                   "command": ["sh", "-c", "sleep 0.5; exit 4"]}).json()
     end = wait_end(manager, record["id"])
     assert end["exit_code"] == 4
-    wait_for(lambda: not docker_client.containers.list(all=True, filters={"id": record["container_id"]}), 10,
+    # ignore_removed: docker-py inspects what it lists, and the engine may remove it in between (a 404)
+    wait_for(lambda: not docker_client.containers.list(all=True, filters={"id": record["container_id"]},
+                                                       ignore_removed=True), 10,
              what="the engine to remove it")
     assert all(g["memory_reserved"] == 0 for g in manager.node(NODE)["gpus"])
 

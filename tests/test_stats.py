@@ -205,6 +205,15 @@ class Reader:
         self._thread.join(5)
 
 
+def ctrl_c_reaches_it() -> None:
+    """In the child before exec: SIGINT as a terminal's Ctrl-C finds it, even when this test run ignores SIGINT.
+
+    A run started in the background by a non-interactive shell (``.ci/run &``) ignores SIGINT, its
+    children inherit that, and Python then installs no KeyboardInterrupt handler.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt(process: subprocess.Popen[bytes]) -> tuple[int, str]:
     """Ctrl-C: SIGINT, then the exit status and stderr."""
     process.send_signal(signal.SIGINT)
@@ -219,7 +228,7 @@ def interrupt(process: subprocess.Popen[bytes]) -> tuple[int, str]:
 def test_live_json_lines_refresh_every_second_until_ctrl_c(two):
     manager, *_ = two
     process = subprocess.Popen(command(manager.url, "stats", "--format", "json"), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, env=ENV)
+                               stderr=subprocess.PIPE, env=ENV, preexec_fn=ctrl_c_reaches_it)
     assert process.stdout is not None
     reader = Reader(process.stdout.fileno())
     try:
@@ -240,7 +249,8 @@ def test_live_table_on_a_terminal_redraws_until_ctrl_c(two):
     manager, *_ = two
     master, slave = pty.openpty()
     process = subprocess.Popen(command(manager.url, "stats"), stdin=slave, stdout=slave, stderr=subprocess.PIPE,
-                               env={**ENV, "TERM": "xterm-256color", "COLUMNS": "160"}, close_fds=True)
+                               env={**ENV, "TERM": "xterm-256color", "COLUMNS": "160"}, close_fds=True,
+                               preexec_fn=ctrl_c_reaches_it)
     os.close(slave)
     reader = Reader(master)
     try:
@@ -267,7 +277,7 @@ def test_an_unreachable_manager_is_one_line_and_status_1(capsys):
 
 def test_live_view_shows_an_unreachable_manager_and_keeps_trying():
     process = subprocess.Popen(command(UNREACHABLE, "stats"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               env=ENV)
+                               env=ENV, preexec_fn=ctrl_c_reaches_it)
     assert process.stdout is not None
     reader = Reader(process.stdout.fileno())
     try:
