@@ -97,6 +97,9 @@ MISSING_PYTHON = ("{program}: the Python that 'gpumgr plugin install' used, {pyt
 #: the agent answers every request it took, if only with the manager's silence, and an agent that
 #: dies is an end of file); past this the agent is taken to be stuck, and the create fails.
 PIPE_TAKE_WAIT = int(defaults.HOOK_TIMEOUT)
+#: A bundle path longer than this goes the Python way: the request line must stay one write of under
+#: ``PIPE_BUF`` (4,096 bytes), which the kernel never interleaves with another launcher's line.
+MAX_PIPE_PATH = 3000
 #: The CLI plugin: Docker asks every plugin for its metadata on many commands; answer that without Python.
 CLI_LAUNCHER = """#!/bin/sh
 {mark}
@@ -163,7 +166,8 @@ if [ "$command" = create ]; then
     case "$bundle" in /*) ;; *) bundle=$PWD/$bundle ;; esac
     reply={reply_q}$$
     if [ -n "$id" ] && [ -p {fifo_q} ] && read -r agent < {pid_q} 2>/dev/null && kill -0 "$agent" 2>/dev/null \\
-        && case "$bundle$id" in *[[:space:]]*) false ;; esac && mkfifo -m 600 "$reply" 2>/dev/null; then
+        && case "$bundle$id" in *[[:space:]]*) false ;; esac && [ "${{#bundle}}" -lt {max_path} ] \\
+        && mkfifo -m 600 "$reply" 2>/dev/null; then
       # the agent's pipe: no Python. Read-write first, so that neither open waits for the other end
       exec 3<>"$reply" 4<"$reply"
       # a watchdog, holding none of this create's pipes or the container's stdio, in case the agent is stuck
@@ -214,7 +218,7 @@ def hook_launcher(*, plain: str, gpu: str, runtime_config: str, hook_socket: str
         fifo_q=q(str(hookpipe.fifo_path(hook_socket))), pid_q=q(str(hookpipe.pid_path(hook_socket))),
         reply_q=q(str(hookpipe.reply_prefix(hook_socket))), take_wait=PIPE_TAKE_WAIT,
         stuck_q=q(log_json(f"gpumgr: the agent took no request off {hookpipe.fifo_path(hook_socket)}: is it stuck?")),
-        pipe_wait_env=Env.HOOK_PIPE_WAIT,
+        pipe_wait_env=Env.HOOK_PIPE_WAIT, max_path=MAX_PIPE_PATH,
         gone_q=q(log_json("gpumgr: the agent ended before it answered; is 'gpumgr agent' running?")),
         w_wait=hookpipe.WAIT, w_ok=hookpipe.OK, w_plain=hookpipe.PLAIN, w_python=hookpipe.PYTHON,
         w_error=hookpipe.ERROR)

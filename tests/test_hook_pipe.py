@@ -330,3 +330,21 @@ def test_a_request_that_fails_inside_the_agent_is_still_answered(root, capsys):
         pool.shutdown()
     assert "the agent failed to serve the request: the engine's API socket is gone" in launcher.logged()[-1]["msg"]
     assert launcher.runtime_calls() == []
+
+
+@pytest.mark.parametrize("shape", ["a space", "long"])
+def test_a_bundle_path_the_line_cannot_carry_takes_the_python_way(root, capsys, shape):
+    """The line is space-separated and must be one write under PIPE_BUF: such a path never reaches the pipe."""
+    socket_path = str(root / "run" / "agent.sock")
+    fifo = HookFifo(socket_path)
+    launcher = Launcher(root, socket_path, capsys)
+    # 13 folders of 250 characters: over 3,250 characters in all
+    bundle = root.joinpath(*["d" * 250] * 13) if shape == "long" else root / "with a space"
+    bundle.mkdir(parents=True)
+    (bundle / "config.json").write_text(json.dumps({"process": {"env": [f"{Env.REQUEST_MEMORY}=1GiB"]}}))
+    try:
+        result = launcher.create(bundle, "e" * 64, wait=10)
+        assert fifo.ready() == []  # nothing was written to the pipe
+    finally:
+        fifo.close()
+    assert result.returncode == 127  # the Python hook's path (its Python is gone here)
