@@ -251,10 +251,25 @@ def test_a_stack_gives_every_replica_its_services_grant_and_rm_ends_them(swarm, 
         assert table.count("3GiB") == 3 and table.count("1GiB") == 3 and "GPU" in table.splitlines()[0]
         assert docker_gpu(engine, manager, "stack", "ls").stdout.count(STACK) == 1
     finally:
-        removed = docker_gpu(engine, manager, "stack", "rm", STACK)
+        removed = remove_stack(engine, manager)
     assert removed.returncode == 0, removed.stderr
     wait_for(lambda: not live(manager, "train") and not live(manager, "infer"), 60, what="every grant to end")
     assert all(g.memory_reserved == 0 for g in manager.client.nodes.get(NODE).gpus)
+
+
+def remove_stack(engine, manager) -> subprocess.CompletedProcess[str]:
+    """``docker gpu stack rm``, once more after the stack's containers are gone if the engine refused its network.
+
+    ``docker stack rm`` (plain or through gpumgr) removes the services and then at once their networks,
+    which the engine refuses while a task is still stopping ("network ... is in use by task",
+    moby/moby#31068); run again once the containers are gone, it removes what is left.
+    """
+    removed = docker_gpu(engine, manager, "stack", "rm", STACK)
+    if removed.returncode != 0 and "is in use by task" in removed.stderr:
+        wait_for(lambda: not engine.docker("ps", "-aq", "--filter", f"label=com.docker.stack.namespace={STACK}")
+                 .stdout.strip(), 60, what="the stack's containers to be gone")
+        removed = docker_gpu(engine, manager, "stack", "rm", STACK)
+    return removed
 
 
 def test_a_format_3_3_file_with_x_gpumgr_is_refused_before_anything_is_deployed(swarm, tmp_path):
