@@ -63,7 +63,8 @@ class HookRelay:
         """Read what the readable descriptors hold and forward each whole request."""
         if self.fifo is not None and self.fifo.fileno() in fds:
             for request in self.fifo.ready():
-                self._off_the_link(self._serve_bundle, request, functools.partial(self._refuse, request))
+                self._off_the_link(functools.partial(self._serve_bundle, request),
+                                   functools.partial(self._refuse, request, None))
         for conn, frame in self.listener.ready(fds):
             try:
                 envelope, message = protocol.decode(frame)
@@ -72,17 +73,17 @@ class HookRelay:
                 self.listener.drop(conn)
                 continue
             answer = functools.partial(self._answer, conn, envelope.id)
-            self._off_the_link(self._forward, (message, envelope.type, answer), answer)
+            self._off_the_link(functools.partial(self._forward, message, envelope.type, answer), answer)
 
-    def _off_the_link(self, work: Callable[..., None], args: Any, answer: Answer) -> None:
-        """Run ``work(*args)`` on the pool: it reads the bundle and asks the engine, and ten tasks of a
+    def _off_the_link(self, work: Callable[[], None], answer: Answer) -> None:
+        """Run ``work()`` on the pool: it reads the bundle and asks the engine, and ten tasks of a
         service are created at once; the link's thread only reads requests and sends frames.
 
         Whatever goes wrong there is still an answer (a hook waits for one), never a silent end.
         """
         def guarded() -> None:
             try:
-                work(*(args if isinstance(args, tuple) else (args,)))
+                work()
             except Exception as exc:  # an engine that fails, a bundle that vanished: say so to the hook
                 log.exception("a runtime hook request failed")
                 answer(None, ("agent_error", f"the agent failed to serve the request: {exc}"))
@@ -92,9 +93,12 @@ class HookRelay:
         else:
             self.pool.submit(guarded)
 
-    def _refuse(self, request: FifoRequest, result: dict[str, Any] | None, error: tuple[str, str] | None) -> None:
+    def _refuse(self, request: FifoRequest, held: str | None, result: dict[str, Any] | None,
+                error: tuple[str, str] | None) -> None:
+        """Fail a pipe request's create with ``error``, worded as the Python hook words it (``held``: its GPU)."""
         assert self.fifo is not None
-        self.fifo.refuse(request, f"gpumgr: {error[1] if error else 'refused'}")
+        reason = f"gpumgr: {error[1] if error else 'refused'}"
+        self.fifo.refuse(request, held_refusal(held, reason) if held is not None else reason)
 
     def expire(self) -> None:
         """Close hook connections that never sent a whole request."""
@@ -124,8 +128,7 @@ class HookRelay:
 
         def answer(result: dict[str, Any] | None, error: tuple[str, str] | None) -> None:
             if result is None:
-                reason = f"gpumgr: {error[1] if error else 'refused'}"
-                fifo.refuse(request, held_refusal(held, reason) if held is not None else reason)
+                self._refuse(request, held, None, error)
                 return
             try:
                 pin_bundle(spec_path, spec, env, result)
