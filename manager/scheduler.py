@@ -31,10 +31,11 @@ set, so a request is not given a set across sockets while the next node has an i
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 from sortedcontainers import SortedList
 
@@ -46,6 +47,8 @@ from gpumgr.wire.units import format_bytes
 #: of a slot is its group at ``LINKS[i]``; two GPUs sharing none are joined only across sockets.
 LINKS = ("nvlink", "pcie_switch", "socket")
 ACROSS = "system"
+#: Changes of nodes logged for the rankings before each ranking takes its share (bounds the log's memory).
+CHANGES_LOGGED = 4096
 #: How many more nodes a multi-GPU request looks at for a better-connected set than the first node gives.
 TOPOLOGY_LOOKAHEAD = 8
 
@@ -55,6 +58,10 @@ class Placement(StrEnum):
 
     SPREAD = "spread"
     BINPACK = "binpack"
+
+
+#: Read at every placement: an enum member as a global costs a tenth of ``Placement.SPREAD``.
+SPREAD = Placement.SPREAD
 
 
 @dataclass(eq=False)
@@ -83,12 +90,15 @@ class GpuSlot:
         return free if free > 0 else 0  # not max(): this runs several times per placement
 
 
-@dataclass(frozen=True)
-class Request:
-    """What a placement needs: ``count`` GPUs on one node, each with ``memory`` schedulable bytes."""
+class Request(NamedTuple):
+    """What a placement needs: ``count`` GPUs on one node, each with ``memory`` schedulable bytes.
+
+    A tuple, not a frozen dataclass: one is made per placement, and a frozen dataclass's ``__init__``
+    costs a Python call per field.
+    """
 
     memory: int
-    count: int = 1
+    count: int = 1  # type: ignore[assignment]  # shadows tuple.count, as a field of a NamedTuple may
     node: str | None = None
     placement: Placement = Placement.SPREAD
     constraints: Constraints = NO_CONSTRAINTS
@@ -116,6 +126,9 @@ class FreeIndex:
     _ranks: dict[tuple[int, bool], Ranking] = field(default_factory=dict)
     #: slots whose free memory may have changed since :attr:`by_free` last placed them
     _moved: dict[str, GpuSlot] = field(default_factory=dict)
+    #: nodes whose GPUs changed, in order, while some ranking exists: each ranking reads on from its own
+    #: ``seen`` (one append per change, however many rankings there are)
+    _changed: list[str] = field(default_factory=list)
 
     @property
     def by_free(self) -> SortedList:
@@ -151,8 +164,8 @@ class FreeIndex:
         if slot.uuid not in self._keys:
             return
         self._moved[slot.uuid] = slot
-        for ranking in self._ranks.values():
-            ranking.stale.add(slot.node)
+        if self._ranks:
+            self._touch(slot.node)
 
     def _resort(self) -> None:
         by_free, keys = self._by_free, self._keys
@@ -175,9 +188,17 @@ class FreeIndex:
     def ranking(self, count: int, spread: bool) -> SortedList:
         """The nodes ranked for ``spread`` (or binpack) requests of ``count`` (≥ 2) GPUs, brought up to date."""
         ranking = self._ranks.get((count, spread))
+        changed = self._changed
         if ranking is None:
-            ranking = self._ranks[count, spread] = Ranking(count, spread)
+            ranking = self._ranks[count, spread] = Ranking(count, spread, seen=len(changed))
             ranking.stale.update(self.by_node)
+        if ranking.seen < len(changed):
+            ranking.stale.update(changed[ranking.seen:])
+            ranking.seen = len(changed)
+            if all(r.seen == len(changed) for r in self._ranks.values()):  # everyone has read it: start again
+                changed.clear()
+                for each in self._ranks.values():
+                    each.seen = 0
         if ranking.stale:
             ranking.refresh(self.by_node)
         return ranking.keys
@@ -187,8 +208,15 @@ class FreeIndex:
         return self._ranks[count, spread]
 
     def _touch(self, node: str) -> None:
-        for ranking in self._ranks.values():
-            ranking.stale.add(node)
+        if not self._ranks:
+            return
+        changed = self._changed
+        changed.append(node)
+        if len(changed) > CHANGES_LOGGED:  # a ranking nobody asks for lags: hand every one its share now
+            for ranking in self._ranks.values():
+                ranking.stale.update(changed[ranking.seen:])
+                ranking.seen = 0
+            changed.clear()
 
 
 @dataclass
@@ -210,6 +238,8 @@ class Ranking:
     of_node: dict[str, set[tuple[Any, ...]]] = field(default_factory=dict)
     #: nodes whose GPUs changed since their keys were computed
     stale: set[str] = field(default_factory=set)
+    #: how much of the index's log of changed nodes this ranking has taken into :attr:`stale`
+    seen: int = 0
     #: binpack: the same keys by the class of their smallest free memory (``size_class``), so a lookup
     #: skips only windows of its own class whose smallest GPU is too small, not every one below the answer
     by_class: dict[int, SortedList] = field(default_factory=dict)
@@ -301,7 +331,7 @@ def place(index: FreeIndex, request: Request) -> list[GpuSlot]:
     if request.constraints.items:
         chosen = _many_allowed(index, request)
     else:
-        many = _spread_many if request.placement is Placement.SPREAD else _binpack_many
+        many = _spread_many if request.placement is SPREAD else _binpack_many
         chosen = many(index, request)
     if chosen is None:
         raise _no_fit(request, index.largest_free())
@@ -320,21 +350,36 @@ def link_of(slots: list[GpuSlot]) -> str | None:
 
 def _place_one(index: FreeIndex, request: Request) -> list[GpuSlot]:
     entries = index.by_free
-    if request.placement is Placement.SPREAD:
+    if request.placement is SPREAD:
         (free, _), slot = entries[-1]
         if free >= request.memory:
             return [slot]
     else:
-        # irange, not bisect + indexing: indexing makes SortedList keep a position index that
-        # every later add and remove then pays to update
-        for _, slot in entries.irange(minimum=((request.memory, ""),)):
-            return [slot]
+        found = first_at_least(entries, ((request.memory, ""),))
+        if found is not None:
+            return [found[1]]
     raise _no_fit(request, index.largest_free())
+
+
+def first_at_least(entries: SortedList, key: Any) -> Any:
+    """The first of ``entries`` not below ``key`` (None: there is none), as ``next(entries.irange(key))``.
+
+    Two bisections on the list's own sorted sublists: ``irange`` builds an iterator and a chain of
+    generators for the same answer (three quarters of a binpack placement's time), and ``bisect``
+    with indexing makes SortedList keep a position index that every later add and remove pays for.
+    ``_maxes`` and ``_lists`` are SortedList's documented implementation (its "Implementation Details").
+    """
+    maxes = entries._maxes
+    pos = bisect_left(maxes, key)
+    if pos == len(maxes):
+        return None
+    sublist = entries._lists[pos]
+    return sublist[bisect_left(sublist, key)]
 
 
 def _place_one_allowed(index: FreeIndex, request: Request) -> list[GpuSlot]:
     """The best GPU that fits and that the constraints allow: only GPUs that fit by memory are looked at."""
-    fitting = index.by_free.irange(minimum=((request.memory, ""),), reverse=request.placement is Placement.SPREAD)
+    fitting = index.by_free.irange(minimum=((request.memory, ""),), reverse=request.placement is SPREAD)
     allows = request.constraints.allows
     for _, slot in fitting:
         if allows(slot):
@@ -346,7 +391,7 @@ def _place_on_node(index: FreeIndex, request: Request) -> list[GpuSlot]:
     slots = index.by_node.get(request.node or "")
     if slots is None:
         raise NoFit(f"node {request.node!r} is not ready or has no GPUs", code="no_fit")
-    chosen = _best_on_node(slots, request, request.placement is Placement.SPREAD)
+    chosen = _best_on_node(slots, request, request.placement is SPREAD)
     if chosen is None:
         raise _no_fit(request, max(s.free for s in slots))
     return chosen[0]
@@ -391,7 +436,7 @@ def _many_allowed(index: FreeIndex, request: Request) -> list[GpuSlot] | None:
     spread, from below for binpack), until no further node can beat the best found; a set not joined
     by NVLink is kept only while ``TOPOLOGY_LOOKAHEAD`` further nodes offer nothing better joined.
     """
-    spread, k = request.placement is Placement.SPREAD, request.count
+    spread, k = request.placement is SPREAD, request.count
     if spread:
         floor = k * request.memory
         bounds: Iterable[tuple[int, str]] = ((total, node) for total, _, node in reversed(index.ranking(k, True))

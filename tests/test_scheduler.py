@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sortedcontainers import SortedList
 
 from gpumgr.manager.cluster import Cluster, PlacementSpec
-from gpumgr.manager.scheduler import FreeIndex, GpuSlot, Placement, Request, place
+from gpumgr.manager.scheduler import FreeIndex, GpuSlot, Placement, Request, first_at_least, place
 from gpumgr.wire.errors import NoAgents, NoFit
 from gpumgr.wire.names import State
 from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuSample
@@ -189,3 +190,12 @@ def test_index_search_matches_a_linear_scan(frees, memory) -> None:
         else:
             with pytest.raises(NoFit):
                 place(index, Request(memory, placement=policy))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 60), max_size=3000), st.integers(-1, 61))
+def test_first_at_least_is_the_first_of_irange(values, key) -> None:
+    """The binpack lookup's two bisections give what ``irange``'s first item gives, across many sublists."""
+    entries = SortedList(values)
+    entries._reset(8)  # short sublists, so a few thousand values span hundreds of them
+    assert first_at_least(entries, key) == next(iter(entries.irange(minimum=key)), None)
