@@ -21,4 +21,11 @@ class Clock:
         return time.time()
 
 
-SYSTEM = Clock()
+class _SystemClock(Clock):
+    """The system's clocks with no Python call in between: they are read on every placement."""
+
+    monotonic = staticmethod(time.monotonic)
+    time = staticmethod(time.time)
+
+
+SYSTEM: Clock = _SystemClock()

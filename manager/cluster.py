@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from gpumgr.manager.clock import SYSTEM, Clock
 from gpumgr.manager.dispatch import Dispatch, request_for, take_slots
 from gpumgr.manager.events import EventLog
 from gpumgr.manager.ledger import Ledger
-from gpumgr.manager.lifecycle import ENDED, Lifecycle
+from gpumgr.manager.lifecycle import ENDED, Lifecycle, placed_text
 from gpumgr.manager.queue import QueueJournal, WaitQueue
 from gpumgr.manager.quotas import Quotas
 from gpumgr.manager.reconcile import Reconciler
@@ -37,13 +37,14 @@ from gpumgr.wire.errors import (
     NotFound,
     QuotaExceeded,
 )
-from gpumgr.wire.names import EventType, State
+from gpumgr.wire.names import CREATING, QUEUED, EventType, State
 from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuSample, RefusedAdoption
 from gpumgr.wire.units import format_bytes
 
 log = logging.getLogger(__name__)
 
-#: ``Placement(name)`` goes through the enum's lookup machinery; a dict is a tenth of its cost
+#: Read at every placement: an enum member as a global costs a tenth of ``OpKind.CREATE`` (see wire.names).
+_CREATE, _PLACED = OpKind.CREATE, EventType.PLACED
 
 
 class RandomIds:
@@ -190,16 +191,17 @@ class Cluster(MapReads):
                 self.life.outcome("no_fit")
                 raise
             commands = []
-            if record.state is State.CREATING:
+            if record.state is CREATING:
                 self.life.outcome("placed")
-                commands = self._start_commands([record], deadline)
-        if record.state is State.QUEUED:
+                commands = self._start_commands((record,), deadline)
+        if record.state is QUEUED:
             self.journal.sync()
         return record, commands
 
     def _submit(self, spec: PlacementSpec, queue: bool, queue_timeout: float | None,
                 tenant: Tenant | None) -> Container:
-        self.quotas.check(tenant, spec.memory * spec.count, 1)
+        if tenant is not None:
+            self.quotas.check(tenant, spec.memory * spec.count, 1)
         request = request_for(spec, spec.memory)  # an InvalidRequest here leaves nothing behind
         if not queue and not len(self.queue):  # the common case: nothing waits, place as always
             try:
@@ -216,7 +218,7 @@ class Cluster(MapReads):
             record = self._new_record(spec, tenant)
             take_slots(record, slots)
             self.life.admit(record)
-            self.life.event(EventType.PLACED, f"{format_bytes(spec.memory)} on {', '.join(record.gpus)}", record)
+            self.life.event(_PLACED, (placed_text, spec.memory, record.gpus), record)
             return record
         if queue and len(self.queue) >= self.queue_max:
             raise Conflict(f"the queue is full ({self.queue_max} requests wait); try again later", code="queue_full")
@@ -255,16 +257,16 @@ class Cluster(MapReads):
                          tenant=tenant.name if tenant is not None else spec.tenant, priority=spec.priority,
                          preemptible=spec.preemptible)
 
-    def _start_commands(self, placed: list[Container], deadline: float = defaults.HOOK_CONFIRM) -> list[Command]:
+    def _start_commands(self, placed: Iterable[Container], deadline: float = defaults.HOOK_CONFIRM) -> list[Command]:
         """Begin the create of each placed record; a hook's waits ``deadline`` seconds for its node's report."""
         commands = []
         for record in placed:
             if record.hook:
                 record.deadline = self.clock.monotonic() + deadline
                 continue
-            op = self.life.begin(record, OpKind.CREATE, self.create_timeout)
+            op = self.life.begin(record, _CREATE, self.create_timeout)
             if op is not None:
-                commands.append(Command(OpKind.CREATE, record, op))
+                commands.append(Command(_CREATE, record, op))
         return commands
 
     def dispatch(self) -> tuple[list[Command], list[Container]]:

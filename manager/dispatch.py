@@ -14,7 +14,7 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from gpumgr.manager.lifecycle import Lifecycle
+from gpumgr.manager.lifecycle import Lifecycle, placed_text
 from gpumgr.manager.records import Container, PlacementSpec
 from gpumgr.manager.scheduler import GpuSlot, Placement, Request, link_of, place
 from gpumgr.wire.constraints import NO_CONSTRAINTS, Constraints, compiled
@@ -50,6 +50,10 @@ def constraints_of(spec: PlacementSpec) -> Constraints:
 
 def take_slots(record: Container, slots: list[GpuSlot]) -> None:
     """Assign the GPUs the scheduler chose to ``record``, with the link that joins them (shown in its record)."""
+    if len(slots) == 1:  # the common case, without the calls (one GPU has no link to weigh)
+        slot = slots[0]
+        record.node, record.gpus, record.topology = slot.node, [slot.uuid], None
+        return
     record.node, record.gpus, record.topology = slots[0].node, [s.uuid for s in slots], link_of(slots)
 
 
@@ -90,7 +94,7 @@ class Dispatch:
             waited = self.life.clock.monotonic() - (record.queued_mono or 0.0)
             if record.id != own:
                 self.life.outcome("placed")
-            self.life.event(EventType.PLACED, f"{format_bytes(record.gpu_memory)} on {', '.join(record.gpus)}"
+            self.life.event(EventType.PLACED, placed_text(record.gpu_memory, record.gpus)
                             + (f" after waiting {waited:.1f}s in the queue" if record.id != own else ""), record)
             placed.append(record)
         return placed

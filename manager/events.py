@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,12 @@ DETAIL_DEPTH = 4
 _ATOMS = frozenset({bool, int, float, str})
 _NAMES = {kind: str(kind) for kind in EventType}
 
+#: An event's text: a string, or a function and the arguments it formats the text from when the event
+#: is read (``(format_placed, memory, gpus)``); a string costs its formatting on every event written.
+Message = str | tuple[Any, ...]
+#: An event about no tenant's container (a node's): it has no "tenant" key at all.
+_NO_TENANT = object()
+
 
 class _IdBlocks:
     """Event ids that never repeat across restarts of a manager with a state directory."""
@@ -41,22 +47,20 @@ class _IdBlocks:
     def __init__(self, folder: str | Path | None) -> None:
         self.path = Path(folder, IDS_FILE) if folder is not None else None
         self.next = 1
-        self.ceiling = 0
         if self.path is not None and self.path.exists():
             try:
                 self.next = int(json.loads(self.path.read_text())["ceiling"]) + 1
             except (ValueError, KeyError, TypeError, OSError) as exc:
                 log.warning("%s is unreadable (%s); event ids start at 1", self.path, exc)
-        self.ceiling = self.next - 1
 
-    def take(self) -> int:
-        """The next id (call under the log's lock); a new block is made durable before it is used."""
-        if self.next > self.ceiling:
-            self.ceiling = self.next + ID_BLOCK - 1
-            if self.path is not None:
-                security.write_private_text(self.path, json.dumps({"ceiling": self.ceiling}))
-        taken, self.next = self.next, self.next + 1
-        return taken
+    def block(self, last: int) -> range:
+        """The next block of ids (call under the log's lock), made durable before any of it is used."""
+        start = max(self.next, last + 1)
+        ceiling = start + ID_BLOCK - 1
+        if self.path is not None:
+            security.write_private_text(self.path, json.dumps({"ceiling": ceiling}))
+        self.next = ceiling + 1
+        return range(start, ceiling + 1)
 
 
 class _ReservedBlocks:
@@ -68,28 +72,14 @@ class _ReservedBlocks:
 
     def __init__(self, reserve: Callable[[int], range]) -> None:
         self._reserve = reserve
-        self._ids: range = range(0)
-        self._last = 0
 
-    def take(self) -> int:
-        """The next id (call under the log's lock)."""
-        if not self._ids:
-            try:
-                self._ids = self._reserve(ID_BLOCK)
-            except Exception as exc:  # any store failure: keep counting, reserve again later
-                log.warning("could not reserve event ids in the store (%s); counting on from %d", exc, self._last)
-                self._ids = range(self._last + 1, self._last + 2)
-        taken, self._ids = self._ids[0], self._ids[1:]
-        self._last = taken
-        return taken
-
-    def renew(self) -> None:
-        """Reserve a fresh block now (this manager has just become leader), not under the map's lock later."""
+    def block(self, last: int) -> range:
+        """The next block of ids (call under the log's lock); one id above ``last`` if the store fails."""
         try:
-            self._ids = self._reserve(ID_BLOCK)
-        except Exception as exc:  # the next event tries again
-            log.warning("could not reserve event ids in the store (%s); trying again at the next event", exc)
-            self._ids = range(0)
+            return self._reserve(ID_BLOCK)
+        except Exception as exc:  # any store failure: keep counting, reserve again later
+            log.warning("could not reserve event ids in the store (%s); counting on from %d", exc, last)
+            return range(last + 1, last + 2)
 
 
 class EventLog:
@@ -101,30 +91,78 @@ class EventLog:
 
     def __init__(self, size: int = defaults.EVENTS_KEPT, state_dir: str | Path | None = None,
                  reserve: Callable[[int], range] | None = None) -> None:
-        self._events: deque[dict[str, Any]] = deque(maxlen=size)
+        #: (id, time, type, node, container, message, tenant, detail): see :meth:`record`
+        self._events: deque[tuple[Any, ...]] = deque(maxlen=size)
         self._lock = threading.Lock()
         self._ids: _IdBlocks | _ReservedBlocks = _ReservedBlocks(reserve) if reserve is not None \
             else _IdBlocks(state_dir)
+        #: the block of ids in use, and what is left of it (ids are taken with ``next``: no Python call)
+        self._range = range(0)
+        self._left: Iterator[int] = iter(self._range)
+        #: the highest id of the blocks used up: a block the store cannot give goes on from it
+        self._last = 0
 
     def renew_ids(self) -> None:
         """Reserve a fresh block of ids now (a new leader's come after its predecessor's)."""
         with self._lock:
             if isinstance(self._ids, _ReservedBlocks):
-                self._ids.renew()
+                self._next_block()
 
-    def record(self, kind: EventType, message: str, /, *, node: str | None = None,
-               container: str | None = None, **detail: Any) -> dict[str, Any]:
-        """Append one event and return it; ``detail`` never overrides the event's own keys."""
-        extra = {k: v if v is None or type(v) in _ATOMS else clean_detail(v, DETAIL_DEPTH)
-                 for k, v in detail.items() if k not in OWN_KEYS} if detail else {}
-        kind_name = _NAMES.get(kind) or str(kind)
+    def _next_block(self) -> None:
+        """Start a new block of ids (call under the lock); what was left of the last one is skipped."""
+        if self._range:
+            self._last = max(self._last, self._range[-1])
+        self._range = self._ids.block(self._last)
+        self._left = iter(self._range)
+
+    def record(self, kind: EventType, message: Message, /, *, node: str | None = None,
+               container: str | None = None, **detail: Any) -> int:
+        """Append one event and return its id; ``detail`` never overrides the event's own keys.
+
+        The event is kept as a tuple and made a dict only when read (:meth:`since`): most events are
+        written many times more often than anyone reads them, on the map's hot path. ``message`` may
+        be a :data:`Message` tuple, formatted then too; its arguments must not change afterwards.
+        """
+        tenant = detail.pop("tenant", _NO_TENANT) if detail else _NO_TENANT
+        return self.add(kind, message, node, container, tenant, detail or None)
+
+    def add(self, kind: EventType, message: Message, node: str | None, container: str | None,
+            tenant: str | object | None = None, detail: dict[str, Any] | None = None) -> int:
+        """:meth:`record` for a container's event, tagged with its ``tenant``; ``detail`` is kept as it is given.
+
+        The caller lets ``detail`` go (it is not copied unless a value in it is not a plain atom).
+        """
+        if detail:
+            for value in detail.values():
+                if value is not None and type(value) not in _ATOMS:  # copied now: the caller's may change
+                    detail = {k: v if v is None or type(v) in _ATOMS else clean_detail(v, DETAIL_DEPTH)
+                              for k, v in detail.items()}
+                    break
         with self._lock:
-            event = {**extra, "id": self._ids.take(), "time": time.time(), "type": kind_name, "node": node,
-                     "container": container, "message": message}
-            self._events.append(event)
-        return event
+            taken = next(self._left, None)
+            if taken is None:
+                self._next_block()
+                taken = next(self._left)
+            self._events.append((taken, time.time(), kind, node, container, message, tenant, detail))
+        return taken
 
     def since(self, after: int = 0, kinds: set[str] | None = None) -> list[dict[str, Any]]:
-        """Events with ``id > after`` (optionally of the given kinds), oldest first."""
+        """Events with ``id > after`` (optionally of the given kinds), oldest first, as dicts."""
         with self._lock:
-            return [e for e in self._events if e["id"] > after and (not kinds or e["type"] in kinds)]
+            kept = [e for e in self._events if e[0] > after]
+        if kinds:
+            kept = [e for e in kept if (_NAMES.get(e[2]) or str(e[2])) in kinds]
+        return [_as_dict(e) for e in kept]
+
+
+def _as_dict(event: tuple[Any, ...]) -> dict[str, Any]:
+    """A stored event as the API serves it: the detail's keys and its tenant first, its own keys last and winning."""
+    taken, when, kind, node, container, message, tenant, detail = event
+    if type(message) is tuple:
+        message = message[0](*message[1:])
+    own = {"id": taken, "time": when, "type": _NAMES.get(kind) or str(kind), "node": node, "container": container,
+           "message": message}
+    shown = {k: v for k, v in detail.items() if k not in OWN_KEYS} if detail else {}
+    if tenant is not _NO_TENANT:
+        shown["tenant"] = tenant
+    return {**shown, **own} if shown else own

@@ -18,7 +18,7 @@ from gpumgr.manager.records import Container, Gpu, Node, OpKind
 from gpumgr.manager.scheduler import FreeIndex
 from gpumgr.wire import defaults
 from gpumgr.wire.constraints import NO_CONSTRAINTS, Constraints
-from gpumgr.wire.names import LIVE, State
+from gpumgr.wire.names import LIVE, QUEUED, State
 from gpumgr.wire.protocol import GpuInfo
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ class Wake(threading.Event):
     """The dispatcher's wake-up: setting it when already set costs no lock (it is set on every release)."""
 
     def set(self) -> None:
-        if not self.is_set():
+        if not self._flag:  # type: ignore[attr-defined]  # Event.is_set() is a Python call that reads just this
             super().set()
 
 
@@ -220,7 +220,7 @@ class Ledger:
         self._finished.append(record.id)
         while len(self._finished) > defaults.FINISHED_KEPT:
             old = self.records.get(self._finished.popleft())
-            if old is not None and old.state not in LIVE and old.state is not State.QUEUED:
+            if old is not None and old.state not in LIVE and old.state is not QUEUED:
                 del self.records[old.id]
 
     def check(self) -> list[str]:

@@ -28,13 +28,25 @@ from typing import Any
 from sortedcontainers import SortedList
 
 from gpumgr.manager.clock import SYSTEM, Clock
-from gpumgr.manager.events import EventLog
+from gpumgr.manager.events import EventLog, Message
 from gpumgr.manager.ledger import Ledger
 from gpumgr.manager.queue import QueueJournal, WaitQueue
 from gpumgr.manager.quotas import Quotas
 from gpumgr.manager.records import Container, Op, OpKind
 from gpumgr.wire.errors import AgentFailed, Conflict, GpumgrError
-from gpumgr.wire.names import LIVE, EventType, State
+from gpumgr.wire.names import (
+    CREATING,
+    EXITED,
+    FAILED,
+    KILLED,
+    LIVE,
+    PREEMPTED,
+    QUEUED,
+    REMOVED,
+    RUNNING,
+    EventType,
+    State,
+)
 from gpumgr.wire.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -53,6 +65,7 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 DESIRED = frozenset({State.RUNNING, State.REMOVED, State.PREEMPTED})
 #: Ends that a desired preemption turns into ``preempted``: whatever exit the stop caused.
 _PREEMPTION_ENDS = frozenset({State.EXITED, State.KILLED, State.REMOVED, State.PREEMPTED})
+_EXITED_EVENT = EventType.EXITED
 _FINAL_EVENTS = {State.KILLED: EventType.KILLED, State.FAILED: EventType.FAILED, State.REMOVED: EventType.REMOVED,
                  State.EXPIRED: EventType.EXPIRED, State.PREEMPTED: EventType.PREEMPTED}
 
@@ -80,7 +93,8 @@ class Lifecycle:
         if record.state is State.QUEUED:
             self._enqueue(record, journal)
         else:
-            self.quotas.count(record, 1)
+            if record.tenant is not None:
+                self.quotas.count(record, 1)
             self.ledger.grant(record)
 
     def admit_ended(self, record: Container, state: State, reason: str | None, *, exit_code: int | None = None,
@@ -119,45 +133,49 @@ class Lifecycle:
         final event. A record whose desired state is ``preempted`` ends as ``preempted`` however it stops.
         """
         now_from = record.state
-        if to is now_from:
+        if to not in TRANSITIONS[now_from]:  # no state moves to itself
+            if to is not now_from:
+                log.info("record %s: %s → %s is not a transition; ignored", record.id, now_from, to)
             return False
-        if to not in TRANSITIONS[now_from]:
-            log.info("record %s: %s → %s is not a transition; ignored", record.id, now_from, to)
-            return False
-        if now_from is State.QUEUED:
+        if now_from is QUEUED:
             self._leave_queue(record)
             self.quotas.count(record, -1)
-            if to is State.CREATING:
-                record.state = State.CREATING
+            if to is CREATING:
+                record.state = CREATING
                 self.quotas.count(record, 1)
                 self.ledger.grant(record)
                 return True
-        if to is State.RUNNING:
-            record.state, record.deadline = State.RUNNING, None
-            self.event(EventType.STARTED, f"container {(record.container_id or '')[:12]} running", record)
+        if to is RUNNING:
+            record.state, record.deadline = RUNNING, None
+            self.event(EventType.STARTED, (started_text, record.container_id), record)
             return True
         if now_from in ENDED:  # deleted after it ended: the end stays as it was recorded
-            record.state = State.REMOVED
+            record.state = REMOVED
             self.event(EventType.REMOVED, "removed", record)
             return True
         if now_from in LIVE:
             self.ledger.release(record)
-            self.quotas.count(record, -1)
-        if record.desired is State.PREEMPTED and to in _PREEMPTION_ENDS:
-            to = State.PREEMPTED
+            if record.tenant is not None:
+                self.quotas.count(record, -1)
+        if record.desired is PREEMPTED and to in _PREEMPTION_ENDS:
+            to = PREEMPTED
             reason = f"preempted to make room for queued request {record.preempted_for} of higher priority"
         record.state, record.deadline = to, None
-        if to is State.KILLED and ("overrun" in record.detail or (detail is not None and "overrun" in detail)):
+        if to is KILLED and ("overrun" in record.detail or (detail is not None and "overrun" in detail)):
             self.overrun_kills[record.node] = self.overrun_kills.get(record.node, 0) + 1
-        record.exit_code = exit_code if exit_code is not None else record.exit_code
+        if exit_code is not None:
+            record.exit_code = exit_code
         record.reason = reason or record.desired_reason or record.reason or _default_reason(to, record.exit_code)
         if detail:
             record.detail.update(detail)
         record.finished_at = finished_at or record.finished_at or self.clock.time()
-        if record.op is not None:
-            # a record that failed while an operation waited failed on its node (502), whatever noticed it first
-            default = AgentFailed if to is State.FAILED else Conflict
-            self.end_op(record, record.op, error or default(f"container {record.id} {to}: {record.reason}"))
+        op = record.op
+        if op is not None:
+            # a record that failed while an operation waited failed on its node (502), whatever noticed it first;
+            # the error is made only if someone asks (see Op.finish)
+            record.op = None
+            op.finish(error or (AgentFailed if to is FAILED else Conflict, ended_text, record.id, to,
+                                record.reason))
         self.ledger.ended(record)
         self._final_event(record)
         return True
@@ -193,19 +211,17 @@ class Lifecycle:
         op.finish(error)
 
     # --- events --------------------------------------------------------------------------------
-    def event(self, kind: EventType, text: str, record: Container, /, **extra: Any) -> None:
+    def event(self, kind: EventType, text: Message, record: Container, /, **extra: Any) -> None:
         """An event about ``record``, tagged with its tenant (a tenant reads only its own events)."""
-        self.events.record(kind, text, node=record.node or None, container=record.id, tenant=record.tenant,
-                           **extra)
+        self.events.add(kind, text, record.node or None, record.id, record.tenant, extra)
 
     def outcome(self, outcome: str) -> None:
         """Count one placement request's outcome for ``/metrics``."""
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
     def _final_event(self, record: Container) -> None:
-        kind = _FINAL_EVENTS.get(record.state, EventType.EXITED)
-        text = f"{record.state}: {record.reason}"
-        text += f" (exit {record.exit_code})" if record.exit_code is not None else ""
+        kind = _FINAL_EVENTS.get(record.state, _EXITED_EVENT)
+        text = (final_text, record.state, record.reason, record.exit_code)
         if not record.detail:
             self.event(kind, text, record, final=True)
             return
@@ -246,7 +262,27 @@ class Lifecycle:
                 if count > 1 else "") + f" (the most free on one GPU is {format_bytes(largest)})")
 
 
+def placed_text(memory: int, gpus: list[str]) -> str:
+    """A placed event's text, made when it is read: the grant per GPU and the GPUs."""
+    return f"{format_bytes(memory)} on {', '.join(gpus)}"
+
+
+def started_text(container_id: str | None) -> str:
+    """A started event's text, made when it is read."""
+    return f"container {(container_id or '')[:12]} running"
+
+
+def ended_text(cid: str, state: State, reason: str | None) -> str:
+    """Why an operation failed because its record ended first."""
+    return f"container {cid} {state}: {reason}"
+
+
+def final_text(state: State, reason: str | None, exit_code: int | None) -> str:
+    """A record's final event's text, made when it is read: how it ended and why."""
+    return f"{state}: {reason}" + (f" (exit {exit_code})" if exit_code is not None else "")
+
+
 def _default_reason(state: State, exit_code: int | None) -> str:
-    if state is State.EXITED:
+    if state is EXITED:
         return f"exited with code {exit_code}" if exit_code is not None else "exited"
     return str(state)

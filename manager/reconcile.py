@@ -16,7 +16,7 @@ from gpumgr.manager.lifecycle import ENDED, Lifecycle
 from gpumgr.manager.records import Command, Container, Gpu, Node, OpKind, PlacementSpec
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import GpuConflict
-from gpumgr.wire.names import LIVE, REMOVING, EventType, State
+from gpumgr.wire.names import LIVE, REMOVING, RUNNING, EventType, State
 from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuSample, RefusedAdoption
 from gpumgr.wire.units import format_bytes
 
@@ -201,10 +201,11 @@ class Reconciler:
                 orphans.append(report.grant)
             else:
                 record.gpu_memory_peak = max(record.gpu_memory_peak, report.peak)
-        for record in [self.ledger.records[c] for c in sorted({c for g in node.gpus for c in g.holders} - seen)]:
-            if record.state is State.RUNNING:
-                reason = record.desired_reason if record.desired is not State.RUNNING else None
-                self.life.move(record, State.REMOVED, reason or "container disappeared from its node")
+        records = self.ledger.records
+        gone = sorted({c for g in node.gpus for c in g.holders} - seen)
+        for record in [r for c in gone if (r := records[c]).state is RUNNING]:  # RUNNING: see wire.names
+            reason = record.desired_reason if record.desired is not RUNNING else None
+            self.life.move(record, State.REMOVED, reason or "container disappeared from its node")
         # adopted last, against what is still granted once the containers that are gone have ended
         orphans += [report.grant for report in unknown if not self._adopt(node, report)]
         commands = [c for r in self._unsettled(node.name) if (c := self.follow_up(r)) is not None]
@@ -214,7 +215,7 @@ class Reconciler:
         """``name``'s live records that may need a follow-up: not as desired, or enforced at another figure."""
         records = self.ledger.records
         found = {cid: record for g in self.ledger.node_gpus(name) for cid in g.holders
-                 if (record := records[cid]).op is None and (record.desired is not State.RUNNING or (
+                 if (record := records[cid]).op is None and (record.desired is not RUNNING or (
                      record.enforced and record.enforced != record.gpu_memory))}
         return [found[cid] for cid in sorted(found)]
 

@@ -9,7 +9,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpumgr.manager.scheduler import GpuSlot
 from gpumgr.wire.errors import GpumgrError
@@ -73,17 +73,31 @@ class Op:
     #: resize: the figures from and to
     old: int = 0
     new: int = 0
-    #: why it failed, once it ended (None: it succeeded, or has not ended)
-    error: GpumgrError | None = None
+    #: why it failed, once it ended: an error, or the parts :attr:`error` makes one of when first read
+    _error: GpumgrError | tuple[Any, ...] | None = None
     ended: bool = False
     _event: threading.Event | None = None
 
-    def finish(self, error: GpumgrError | None) -> bool:
-        """End it with ``error`` (None: success) and wake whoever waits; False if it had ended already."""
+    @property
+    def error(self) -> GpumgrError | None:
+        """Why it failed, once it ended (None: it succeeded, or has not ended)."""
+        error = self._error
+        if type(error) is tuple:
+            kind, text, *parts = error
+            error = self._error = kind(text(*parts))
+        return error  # type: ignore[return-value]
+
+    def finish(self, error: GpumgrError | tuple[Any, ...] | None) -> bool:
+        """End it with ``error`` (None: success) and wake whoever waits; False if it had ended already.
+
+        ``error`` may be ``(error class, text function, *its arguments)``: most operations that end in
+        an error (a record that ended while its create was in flight) are never asked why, so the
+        error is made only when :attr:`error` is read.
+        """
         with _OP_LOCK:
             if self.ended:
                 return False
-            self.error, self.ended, event = error, True, self._event
+            self._error, self.ended, event = error, True, self._event
         if event is not None:
             event.set()
         return True
@@ -189,9 +203,11 @@ class Container:
         return None if value is None else str(value)
 
 
-@dataclass(frozen=True, slots=True)
-class Command:
-    """What the manager must tell a node after a change: built under the map's lock, sent after it."""
+class Command(NamedTuple):
+    """What the manager must tell a node after a change: built under the map's lock, sent after it.
+
+    A tuple: one is made for every placement, and a frozen dataclass's ``__init__`` costs a call per field.
+    """
 
     kind: OpKind
     record: Container

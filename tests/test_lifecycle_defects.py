@@ -12,11 +12,12 @@ import pytest
 
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.events import EventLog
+from gpumgr.manager.lifecycle import placed_text
 from gpumgr.manager.records import Command, Op, OpKind, PlacementSpec
 from gpumgr.manager.service import Manager
 from gpumgr.wire import protocol
 from gpumgr.wire.errors import GpumgrError
-from gpumgr.wire.names import State
+from gpumgr.wire.names import EventType, State
 from tests.lifecycle_model import Box, GiB, HeldLink, LogicalClock, ScriptedAgent, engine_violations, lost, refusal
 from tests.procs import ManagerProc, free_port, wait_for
 
@@ -241,17 +242,50 @@ def test_event_detail_keys_never_break_the_log_and_nesting_is_bounded(tmp_path):
     for _ in range(200):
         cursor["x"] = {}
         cursor = cursor["x"]  # type: ignore[assignment]
-    event = events.record(State.EXITED, "ended", container="c", kind="mine", text="t", message="m", id=5,  # type: ignore[arg-type]
+    taken = events.record(State.EXITED, "ended", container="c", kind="mine", text="t", message="m", id=5,  # type: ignore[arg-type]
                           deep=deep)
-    assert event["message"] == "ended" and event["id"] == 1 and event["kind"] == "mine"
+    deep["x"] = "changed after"  # the event keeps what it was given
+    [event] = events.since(0)
+    assert event["deep"]["x"] != "changed after"
+    assert event["message"] == "ended" and event["id"] == taken == 1 and event["kind"] == "mine"
     json.dumps(event)  # bounded: serialisable, no recursion error
+
+
+def test_events_are_formatted_when_read_and_tagged_with_their_tenant() -> None:
+    """A hot path's event keeps its text's parts; the text is made on read, a node's event has no tenant."""
+    events = EventLog()
+    gpus = ["GPU-a", "GPU-b"]
+    events.add(EventType.PLACED, (placed_text, 3 * GiB, gpus), "n1", "c1", "alice", {"final": True})
+    events.record(EventType.NODE_UP, "node n1 is ready", node="n1")
+    events.record(EventType.QUEUED, "waits", container="c2", tenant=None)
+    placed, up, queued = events.since(0)
+    assert placed["message"] == "3GiB on GPU-a, GPU-b" and placed["tenant"] == "alice" and placed["final"] is True
+    assert placed["type"] == "placed" and placed["node"] == "n1" and placed["container"] == "c1"
+    assert up["message"] == "node n1 is ready" and "tenant" not in up
+    assert queued["tenant"] is None and "tenant" in queued  # the operator's container: tagged, with no tenant
+    assert [e["type"] for e in events.since(placed["id"], {"node_up"})] == ["node_up"]
+
+
+def test_event_ids_keep_rising_while_the_store_cannot_reserve_them() -> None:
+    """A leader whose store fails counts on from its last block; the next block the store gives is used."""
+    blocks = iter([range(1, 3), RuntimeError("store down"), RuntimeError("store down"), range(100, 102)])
+
+    def reserve(count: int) -> range:
+        got = next(blocks)
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    events = EventLog(reserve=reserve)
+    taken = [events.record(EventType.NODE_UP, "x") for _ in range(5)]
+    assert taken == [1, 2, 3, 4, 100]
 
 
 def test_event_ids_keep_rising_across_restarts(tmp_path):
     first = EventLog(state_dir=tmp_path)
-    last = [first.record(State.EXITED, "x")["id"] for _ in range(3)][-1]  # type: ignore[arg-type]
+    last = [first.record(State.EXITED, "x") for _ in range(3)][-1]  # type: ignore[arg-type]
     second = EventLog(state_dir=tmp_path)
-    assert second.record(State.EXITED, "y")["id"] > last  # type: ignore[arg-type]
+    assert second.record(State.EXITED, "y") > last  # type: ignore[arg-type]
 
 
 def test_a_clock_step_does_not_reorder_the_queue(tmp_path):
