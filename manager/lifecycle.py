@@ -222,8 +222,8 @@ class Lifecycle:
     def _final_event(self, record: Container) -> None:
         kind = _FINAL_EVENTS.get(record.state, _EXITED_EVENT)
         text = (final_text, record.state, record.reason, record.exit_code)
-        if not record.detail:
-            self.event(kind, text, record, final=True)
+        if not record.detail:  # the common end: the event written directly, one call fewer than event()
+            self.events.add(kind, text, record.node or None, record.id, record.tenant, {"final": True})
             return
         # the final event carries the overrun that ended it flat (reason, observed, grant_bytes, gpu, ...)
         overrun = record.detail.get("overrun")

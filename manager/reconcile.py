@@ -11,6 +11,7 @@ larger figure until the two agree, and tells the node the map's figure. Called u
 from __future__ import annotations
 
 import logging
+from operator import attrgetter
 
 from gpumgr.manager.lifecycle import ENDED, Lifecycle
 from gpumgr.manager.records import Command, Container, Gpu, Node, OpKind, PlacementSpec
@@ -21,6 +22,7 @@ from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuS
 from gpumgr.wire.units import format_bytes
 
 log = logging.getLogger(__name__)
+_by_id = attrgetter("id")
 
 
 class Reconciler:
@@ -202,8 +204,8 @@ class Reconciler:
             else:
                 record.gpu_memory_peak = max(record.gpu_memory_peak, report.peak)
         records = self.ledger.records
-        gone = sorted({c for g in node.gpus for c in g.holders} - seen)
-        for record in [r for c in gone if (r := records[c]).state is RUNNING]:  # RUNNING: see wire.names
+        gone = [r for c in {c for g in node.gpus for c in g.holders} - seen if (r := records[c]).state is RUNNING]
+        for record in sorted(gone, key=_by_id):  # RUNNING: see wire.names; in id order, as events are written
             reason = record.desired_reason if record.desired is not RUNNING else None
             self.life.move(record, State.REMOVED, reason or "container disappeared from its node")
         # adopted last, against what is still granted once the containers that are gone have ended

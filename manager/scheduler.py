@@ -349,7 +349,9 @@ def link_of(slots: list[GpuSlot]) -> str | None:
 
 
 def _place_one(index: FreeIndex, request: Request) -> list[GpuSlot]:
-    entries = index.by_free
+    if index._moved:  # what the by_free property does, without its call on every placement
+        index._resort()
+    entries = index._by_free
     if request.placement is SPREAD:
         (free, _), slot = entries[-1]
         if free >= request.memory:
