@@ -32,7 +32,7 @@ set, so a request is not given a set across sockets while the next node has an i
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, NamedTuple
@@ -129,6 +129,8 @@ class FreeIndex:
     #: nodes whose GPUs changed, in order, while some ranking exists: each ranking reads on from its own
     #: ``seen`` (one append per change, however many rankings there are)
     _changed: list[str] = field(default_factory=list)
+    #: node -> :meth:`sorted_frees`, while no change of it has been noted since
+    _frees: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def by_free(self) -> SortedList:
@@ -200,16 +202,27 @@ class FreeIndex:
                 for each in self._ranks.values():
                     each.seen = 0
         if ranking.stale:
-            ranking.refresh(self.by_node)
+            ranking.refresh(self.sorted_frees)
         return ranking.keys
 
     def ranks_of(self, count: int, spread: bool) -> Ranking:
         """The ranking itself (after :meth:`ranking` brought it up to date)."""
         return self._ranks[count, spread]
 
+    def sorted_frees(self, node: str) -> list[int]:
+        """``node``'s schedulable GPUs' free memories, ascending (empty: not in the index); do not change it.
+
+        Computed once per change of the node and shared by every ranking that re-ranks it.
+        """
+        frees = self._frees.get(node)
+        if frees is None:
+            frees = self._frees[node] = sorted(s.free for s in self.by_node.get(node, ()))
+        return frees
+
     def _touch(self, node: str) -> None:
-        if not self._ranks:
+        if not self._ranks:  # no ranking reads the log or the free memories (they exist once one does)
             return
+        self._frees.pop(node, None)
         changed = self._changed
         changed.append(node)
         if len(changed) > CHANGES_LOGGED:  # a ranking nobody asks for lags: hand every one its share now
@@ -246,10 +259,10 @@ class Ranking:
     #: node -> its GPUs' free memories, sorted, when its keys were computed
     frees_of: dict[str, list[int]] = field(default_factory=dict)
 
-    def refresh(self, by_node: dict[str, list[GpuSlot]]) -> None:
-        """Recompute the keys of every stale node."""
+    def refresh(self, sorted_frees: Callable[[str], list[int]]) -> None:
+        """Recompute the keys of every stale node, from its GPUs' free memories (``FreeIndex.sorted_frees``)."""
         for node in self.stale:
-            frees = sorted(s.free for s in by_node.get(node, ()))
+            frees = sorted_frees(node)
             if frees == self.frees_of.get(node):  # back as it was (a grant and its release): same keys
                 continue
             self.frees_of[node] = frees
@@ -274,8 +287,8 @@ class Ranking:
         """
         own, found = size_class(memory), []
         for cls, keys in self.by_class.items():
-            if cls > own:  # every window here holds memory: its lowest key is its first
-                found.append(keys[0])
+            if cls > own:  # every window here holds memory: its lowest key is its first (a class is never empty)
+                found.append(keys._lists[0][0])  # keys[0] without SortedList's indexing call (a dozen a request)
             elif cls == own:
                 first = next((key for key in keys.irange(minimum=(self.count * memory,)) if key[2] >= memory), None)
                 if first is not None:
