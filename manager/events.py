@@ -35,7 +35,7 @@ _ATOMS = frozenset({bool, int, float, str})
 _NAMES = {kind: str(kind) for kind in EventType}
 
 #: An event's text: a string, or a function and the arguments it formats the text from when the event
-#: is read (``(format_placed, memory, gpus)``); a string costs its formatting on every event written.
+#: is read (``(placed_text, memory, gpus)``); a string costs its formatting on every event written.
 Message = str | tuple[Any, ...]
 #: An event about no tenant's container (a node's): it has no "tenant" key at all.
 _NO_TENANT = object()

@@ -11,7 +11,8 @@ GPU fits is the best (a node's best spread choice is its ``k`` largest GPUs or n
 once a sum is below ``k × memory``. ``binpack`` looks up windows of ``k`` GPUs (see
 :class:`Ranking`). Rankings exist only for the ``k`` that requests have asked for, and nodes whose
 GPUs changed are re-ranked lazily, on the next request for ``k`` GPUs, so a single-GPU grant pays
-one set insertion per ranking for them.
+one append to a log of changed nodes that every ranking reads on from its own mark; a changed node's
+sorted free memories are computed once for all the rankings that re-rank it.
 
 Ties between nodes go to the node with the most free memory in all (spread) or the least (binpack),
 so 200 two-GPU requests on empty nodes land on 200 nodes, not four to a node.
