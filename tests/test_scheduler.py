@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from sortedcontainers import SortedList
 
 from gpumgr.manager.cluster import Cluster, PlacementSpec
-from gpumgr.manager.scheduler import FreeIndex, GpuSlot, Placement, Request, first_at_least, place
+from gpumgr.manager.free_index import first_at_least
+from gpumgr.manager.scheduler import FreeIndex, GpuSlot, Placement, Request, place
 from gpumgr.wire.errors import NoAgents, NoFit
 from gpumgr.wire.names import State
 from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuSample

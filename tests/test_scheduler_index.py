@@ -11,7 +11,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpumgr.manager import scheduler
+from gpumgr.manager import free_index
 from gpumgr.manager.cluster import Cluster, PlacementSpec
 from gpumgr.manager.scheduler import FreeIndex, GpuSlot, Placement, Request, place
 from gpumgr.wire.errors import NoFit
@@ -50,14 +50,14 @@ steps = st.lists(st.one_of(
 
 @settings(max_examples=150, deadline=None, database=None)
 @given(st.lists(st.integers(1, 5), min_size=1, max_size=6), steps, st.sampled_from(list(Placement)),
-       st.sampled_from([2, scheduler.CHANGES_LOGGED]))
+       st.sampled_from([2, free_index.CHANGES_LOGGED]))
 def test_multi_gpu_choice_matches_brute_force_through_many_changes(shape, ops, policy, logged) -> None:
     """``logged``: how many changed nodes the index logs for its rankings before handing each its share."""
-    kept, scheduler.CHANGES_LOGGED = scheduler.CHANGES_LOGGED, logged
+    kept, free_index.CHANGES_LOGGED = free_index.CHANGES_LOGGED, logged
     try:
         check_choices(shape, ops, policy)
     finally:
-        scheduler.CHANGES_LOGGED = kept
+        free_index.CHANGES_LOGGED = kept
 
 
 def check_choices(shape: list[int], ops: list[tuple[str, int, int]], policy: Placement) -> None:
