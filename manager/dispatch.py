@@ -5,21 +5,27 @@ A request only its tenant's quota holds back, one pinned to a node that is not r
 node on the map could hold even empty (its only big node was forgotten) is stepped over: it blocks
 nobody. The first that does not fit stops the walk, and preemptible containers of lower priority
 may be chosen to make room for it: their desired state becomes ``preempted`` and the reconciler
-stops them. Called under the ledger's lock.
+stops them. A container whose node refused to stop it is left alone for a while, longer after each
+refusal (jittered), and after :data:`~gpumgr.wire.defaults.PREEMPT_RETRIES` refusals for good, with an
+event: other containers may be chosen meanwhile, never the same one at once. Called under the ledger's lock.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpumgr.manager.lifecycle import Lifecycle, placed_text
 from gpumgr.manager.records import Container, PlacementSpec
 from gpumgr.manager.scheduler import GpuSlot, Placement, Request, link_of, place
+from gpumgr.wire import defaults
 from gpumgr.wire.constraints import NO_CONSTRAINTS, Constraints, compiled
 from gpumgr.wire.errors import GpumgrError, InvalidRequest, NoAgents, NoFit
-from gpumgr.wire.names import EventType, State
+from gpumgr.wire.names import LIVE, EventType, State
 from gpumgr.wire.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -57,6 +63,24 @@ def take_slots(record: Container, slots: list[GpuSlot]) -> None:
     record.node, record.gpus, record.topology = slots[0].node, [s.uuid for s in slots], link_of(slots)
 
 
+@dataclass
+class Refusals:
+    """A preemptible record its node refused to stop: how many times, and when it may be chosen again (monotonic)."""
+
+    count: int = 0
+    not_before: float = 0.0
+
+
+def retry_delay(refusals: int, jitter: float) -> float:
+    """How long a record is left alone after its ``refusals``-th refusal: doubling from the least, capped, ×jitter."""
+    return min(defaults.PREEMPT_RETRY_MAX, defaults.PREEMPT_RETRY_MIN * 2.0 ** (refusals - 1)) * jitter
+
+
+def jitter_factor() -> float:
+    """A jitter factor in [0.5, 1.5)."""
+    return 0.5 + random.random()
+
+
 class Dispatch:
     """Walks the queue in order; see the module docstring for the rules."""
 
@@ -65,6 +89,11 @@ class Dispatch:
         self.ledger = life.ledger
         #: queued request → the preemptible records being stopped for it
         self.making_room: dict[str, set[str]] = {}
+        #: preemptible records whose node refused to stop them, by id (dropped once they end, at the next
+        #: preemption planned or refused)
+        self.refused: dict[str, Refusals] = {}
+        #: the backoff's jitter factor (a test pins it)
+        self.jitter: Callable[[], float] = jitter_factor
 
     def walk(self, own: str | None = None, own_waits: bool = True) -> list[Container]:
         """Place queued requests in order while they fit; return those placed (state ``creating``)."""
@@ -131,11 +160,14 @@ class Dispatch:
         """Choose preemptible containers of lower priority whose grants, once freed, let ``head`` fit.
 
         Per GPU the fewest bytes are taken: the lowest priority first, then the youngest. Nothing is
-        chosen again while containers already chosen for ``head`` are still stopping. The comparison is
-        of priorities as asked: aging orders the queue, it gives no right to stop anything.
+        chosen again while containers already chosen for ``head`` are still stopping, nor one whose node
+        refused to stop it while it backs off. The comparison is of priorities as asked: aging orders the
+        queue, it gives no right to stop anything.
         """
         if not self.ledger.preemptible:
             return
+        if self.refused:
+            self._forget_ended()
         records = self.ledger.records
         chosen_before = self.making_room.get(head.id, set())
         if any(records[v].state in (State.CREATING, State.RUNNING) and records[v].desired is State.PREEMPTED
@@ -145,6 +177,7 @@ class Dispatch:
         nodes = [spec.node] if spec.node is not None else list(self.ledger.index.by_node)
         allowed = constraints_of(spec).allows if spec.constraints else None
         best: tuple[int, list[Container]] | None = None
+        now = self.life.clock.monotonic()
         for name in nodes:
             options: list[tuple[int, list[Container]]] = []
             for gpu in self.ledger.node_gpus(name):
@@ -160,7 +193,8 @@ class Dispatch:
                     if free >= head.gpu_memory:
                         break
                     if (victim.preemptible and victim.state is State.RUNNING and victim.priority < head.priority
-                            and victim.desired is State.RUNNING and victim.op is None):
+                            and victim.desired is State.RUNNING and victim.op is None
+                            and (victim.id not in self.refused or self.refused[victim.id].not_before <= now)):
                         chosen.append(victim)
                         free += victim.held
                 if free >= head.gpu_memory:
@@ -182,12 +216,33 @@ class Dispatch:
                             preempted_for=head.id)
 
     def preemption_failed(self, victim: Container) -> None:
-        """Its node could not stop ``victim``: it runs on unmarked, and room is sought again for the head."""
+        """Its node could not stop ``victim``: it runs on unmarked and backs off; room is sought again for the head."""
         head = victim.preempted_for
         self.life.desire(victim, State.RUNNING)
         if head is not None:
             self.making_room.get(head, set()).discard(victim.id)
-        self.ledger.wake.set()
+        self._back_off(victim)
+        self.ledger.wake.set()  # another container may make the room meanwhile
+
+    def _back_off(self, victim: Container) -> None:
+        """Count one more refusal to stop ``victim``: it may be chosen again after a growing delay, or never."""
+        self._forget_ended()
+        refused = self.refused.setdefault(victim.id, Refusals())
+        refused.count += 1
+        if refused.count < defaults.PREEMPT_RETRIES:
+            refused.not_before = self.life.clock.monotonic() + retry_delay(refused.count, self.jitter())
+            return
+        refused.not_before = math.inf
+        log.warning("container %s: its node refused to stop it %d times; it is no longer preempted", victim.id,
+                    refused.count)
+        self.life.event(EventType.FAILED, f"its node refused to stop it {refused.count} times: it is no longer "
+                        "chosen to make room for queued requests", victim, refusals=refused.count)
+
+    def _forget_ended(self) -> None:
+        """Drop the refusals of records that ended or left the map: nothing is asked of them again."""
+        records = self.ledger.records
+        for cid in [c for c in self.refused if c not in records or records[c].state not in LIVE]:
+            del self.refused[cid]
 
     def restore(self, entries: list[dict[str, Any]]) -> int:
         """Queue again the requests a previous manager process kept in its journal; return how many."""

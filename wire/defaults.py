@@ -126,6 +126,12 @@ MAX_PRIORITY = 1_000_000
 MAX_QUEUE_TIMEOUT = 366 * 24 * 3600.0
 #: The dispatcher looks at the queue at least this often even when nothing woke it (deadlines, retries).
 DISPATCH_TICK = HEARTBEAT_INTERVAL / 2
+#: A preemption its node refused is not asked of the same container again for this long (jittered ×0.5–1.5),
+#: doubling per refusal up to the cap: at least one stop's grace, at most two removals' own timeouts. After
+#: PREEMPT_RETRIES refusals that container is no longer chosen, and an event says so.
+PREEMPT_RETRY_MIN = STOP_GRACE
+PREEMPT_RETRY_MAX = 2 * REMOVE_TIMEOUT
+PREEMPT_RETRIES = 5
 #: Threads that start queued containers on their nodes once placed (no REST caller waits for those).
 DISPATCH_WORKERS = 8
 #: The queue journal is rewritten whole once it holds this many lines more than twice the queue.
