@@ -140,6 +140,13 @@ class Cluster(MapReads):
         with self.lock:
             return self.reconciler.heartbeat(name, routing_id, samples, containers)
 
+    def heard(self, name: str, routing_id: bytes) -> None:
+        """``name``'s proven key spoke on ``routing_id``: its commands go there from now on (a blip changes it)."""
+        node = self.ledger.nodes.get(name)
+        if node is not None and node.routing_id != routing_id:
+            with self.lock:
+                node.routing_id = routing_id
+
     def forget_node(self, name: str, reason: str = "its node was forgotten") -> bool:
         """Remove a node from the map; its live grants end as ``removed``. False if unknown."""
         with self.lock:

@@ -1,7 +1,9 @@
-"""What agents send the manager, routed on the link's thread: joins, registrations, heartbeats, events, hooks.
+"""What agents send the manager: joins, registrations, heartbeats, events, hooks.
 
-Nothing reaches the model unless the sender's proven key is bound to the node the message speaks
-for. Each handler is quick: it updates the model and sends what the model says to send.
+Run on the manager's lanes (each node's messages in order), never on the link's thread. Nothing
+reaches the model unless the sender's proven key is bound to the node the message speaks for. Each
+handler updates the model and sends what the model says to send; every answer goes to the sender's
+key, so it leaves on the key's newest connection.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 #: The oldest agent whose commands this manager's match (a rolling upgrade moves agents first, then managers).
-MIN_AGENT_VERSION = "0.1.0"
+MIN_AGENT_VERSION = "0.2.0"
 #: What a manager that does not lead answers an agent: another leads, or none does (the agent's side:
 #: ``gpumgr.agent.managers``).
 NOT_LEADER = "not_leader"
@@ -43,7 +45,7 @@ def version_tuple(text: str) -> tuple[int, ...]:
 
 
 class Inbound:
-    """The manager's handler for the agent link (called on the link's owner thread)."""
+    """The manager's handler for the agent link (called on a lane, in order per node)."""
 
     def __init__(self, manager: Manager) -> None:
         self.manager = manager
@@ -78,11 +80,13 @@ class Inbound:
         if isinstance(message, protocol.Heartbeat):
             answer = self.cluster.heartbeat(node, peer.routing_id, message.gpus, message.containers)
             if answer is None:
-                self.link.send(peer.routing_id, protocol.Reregister())
+                self.link.send(peer.routing_id, protocol.Reregister(), key=peer.key)
                 return
-            self._remove_orphans(peer.routing_id, answer[0])
+            self._remove_orphans(peer, answer[0])
             self.manager.send(answer[1])
-        elif isinstance(message, protocol.Register):
+            return
+        self.cluster.heard(node, peer.routing_id)  # any frame its key proves shows the node's connection
+        if isinstance(message, protocol.Register):
             self._register(peer, envelope, message)
         elif isinstance(message, protocol.ContainerEvent):
             self._on_container_event(node, message)
@@ -90,7 +94,7 @@ class Inbound:
             message.node = node
             reply = self._reserve(message, envelope.id)
             if reply is not None:
-                self.link.send(peer.routing_id, reply, reply_to=envelope.id)
+                self.link.send(peer.routing_id, reply, reply_to=envelope.id, key=peer.key)
         else:
             log.warning("dropped an unexpected %s message from node %s", envelope.type, node)
 
@@ -101,9 +105,10 @@ class Inbound:
             (NO_LEADER, "this manager does not lead, and no manager leads right now")
         if isinstance(message, protocol.Join | protocol.Reserve):
             error = protocol.ErrorBody(code=code, message=text)
-            self.link.send(peer.routing_id, protocol.Reply(ok=False, error=error), reply_to=envelope.id)
+            self.link.send(peer.routing_id, protocol.Reply(ok=False, error=error), reply_to=envelope.id, key=peer.key)
         elif isinstance(message, protocol.Register | protocol.Heartbeat):
-            self.link.send(peer.routing_id, protocol.Refused(code=code, message=text), reply_to=envelope.id)
+            self.link.send(peer.routing_id, protocol.Refused(code=code, message=text), reply_to=envelope.id,
+                           key=peer.key)
 
     def _speaker(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Message) -> str | None:
         """The node ``peer``'s key is bound to, if the message speaks only for it; else None (dropped, logged)."""
@@ -127,7 +132,7 @@ class Inbound:
                 reply = protocol.Reply(ok=False, error=protocol.ErrorBody(code=exc.code, message=exc.message))
             else:
                 reply = protocol.Reply(ok=True, result={"node": message.node})
-            self.link.send(peer.routing_id, reply, reply_to=envelope.id)
+            self.link.send(peer.routing_id, reply, reply_to=envelope.id, key=peer.key)
 
         self.manager.admission.admit_later(peer.key, message.node, message.proof, settled)
 
@@ -136,7 +141,8 @@ class Inbound:
             why = (f"this manager needs gpumgr agent {MIN_AGENT_VERSION} or newer to understand its commands; node "
                    f"{message.node} runs {message.version}: upgrade its agent")
             log.warning("refused the registration of node %s: %s", message.node, why)
-            self.link.send(peer.routing_id, protocol.Refused(code="agent_too_old", message=why), reply_to=envelope.id)
+            self.link.send(peer.routing_id, protocol.Refused(code="agent_too_old", message=why), reply_to=envelope.id,
+                           key=peer.key)
             return
         try:
             orphans, commands, restarted = self.cluster.register(
@@ -144,15 +150,17 @@ class Inbound:
                 instance=message.instance, labels=message.labels)  # issue 23
         except GpumgrError as exc:
             log.warning("refused the registration of node %s: %s", message.node, exc.message)
-            self.link.send(peer.routing_id, protocol.Refused(code=exc.code, message=exc.message), reply_to=envelope.id)
+            self.link.send(peer.routing_id, protocol.Refused(code=exc.code, message=exc.message), reply_to=envelope.id,
+                           key=peer.key)
             return
         if restarted:  # a new agent process: the old one answers nothing it was asked
             self.link.fail_peer(b"", AgentFailed(f"the agent of node {message.node} restarted before answering"),
                                 key=peer.key)
         self.cluster.refuse_adoptions(message.node, message.refused)
         interval = self.manager.settings.heartbeat_interval
-        self.link.send(peer.routing_id, protocol.Registered(heartbeat_interval=interval), reply_to=envelope.id)
-        self._remove_orphans(peer.routing_id, orphans)
+        self.link.send(peer.routing_id, protocol.Registered(heartbeat_interval=interval), reply_to=envelope.id,
+                       key=peer.key)
+        self._remove_orphans(peer, orphans)
         self.manager.send(commands)
         log.info("node %s registered with %d GPUs", message.node, len(message.gpus))
 
@@ -229,7 +237,7 @@ class Inbound:
             node, reply_to = waiter
             routing_id = self.cluster.routing_id_of(node)
             if routing_id is not None:
-                self.link.send(routing_id, reply, reply_to=reply_to)
+                self.link.send(routing_id, reply, reply_to=reply_to, key=self.cluster.node_key(node))
 
     def settle_hook_waiters(self) -> None:
         """Tell the hooks whose queued requests ended unplaced (expired, withdrawn) why."""
@@ -253,7 +261,7 @@ class Inbound:
                                                "on_overrun": record.on_overrun, "priority": record.priority,
                                                "preemptible": record.preemptible})
 
-    def _remove_orphans(self, routing_id: bytes, grants: list[str]) -> None:
+    def _remove_orphans(self, peer: Peer, grants: list[str]) -> None:
         for grant in grants:
             log.info("removing orphaned container of grant %s", grant)
-            self.link.send(routing_id, protocol.Remove(grant=grant))
+            self.link.send(peer.routing_id, protocol.Remove(grant=grant), key=peer.key)

@@ -1,12 +1,13 @@
 """The manager's end of the agent link: a CURVE-server ROUTER owned by one thread of the shared link loop.
 
-Incoming requests and reports go to the manager's handler, called on the owner thread, which must
-be quick (it only updates the in-memory map). Each carries the sender's proven key; the handler
-decides what that key may say. Everything else (the outbox, the wake-up pipe, replies tied to
-requests, malformed frames dropped) is :class:`gpumgr.wire.link.Link`'s. The link has a ZeroMQ
-context of its own, because a context has one ZAP handler and it must be this manager's. With several
-managers, ``epoch`` gives the leader's epoch, and every frame sent carries it so agents can refuse a
-deposed leader.
+Incoming requests and reports go to the manager's handler, run on the manager's lanes (each
+node's messages in order), never on the owner thread, which only moves frames. Each carries the
+sender's proven key; the handler decides what that key may say. Everything else (the outbox, the
+wake-up pipe, replies tied to requests, malformed frames dropped, frames that wait for a node's
+next connection) is :class:`gpumgr.wire.link.Link`'s. The link has a ZeroMQ context of its own,
+because a context has one ZAP handler and it must be this manager's. With several managers,
+``epoch`` gives the leader's epoch, and every frame sent carries it so agents can refuse a deposed
+leader.
 """
 
 from __future__ import annotations
@@ -18,19 +19,19 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from gpumgr.wire import defaults, security
 from gpumgr.wire.epoch import Epoch
-from gpumgr.wire.link import Handler, Link, LinkHooks
+from gpumgr.wire.lanes import Lanes
+from gpumgr.wire.link import Handler, Link
 
 
 class ManagerLink(Link):
     """Bind ``endpoint`` as a CURVE server with ``keys`` and route frames to and from agents."""
 
     def __init__(self, endpoint: str, handler: Handler, keys: security.KeyPair, *,
-                 tick: float = defaults.LINK_TICK, on_tick: Callable[[], None] | None = None,
-                 epoch: Callable[[], Epoch | None] | None = None) -> None:
-        hooks = LinkHooks(on_tick=_every_tick(on_tick)) if on_tick is not None else None
+                 tick: float = defaults.LINK_TICK, epoch: Callable[[], Epoch | None] | None = None,
+                 lanes: Lanes | None = None) -> None:
         self._auth: ThreadAuthenticator | None = None
         super().__init__(zmq.ROUTER, endpoint, handler, bind=True, configure=lambda s: _router_options(s, keys),
-                         context=zmq.Context(), tick=tick, hooks=hooks, name="agent-link", epoch=epoch)
+                         context=zmq.Context(), tick=tick, name="agent-link", epoch=epoch, lanes=lanes)
 
     def start(self) -> None:
         """Start the ZAP handler, then bind."""
@@ -58,11 +59,3 @@ def _router_options(sock: zmq.Socket[bytes], keys: security.KeyPair) -> None:
     sock.setsockopt(zmq.BACKLOG, defaults.LINK_BACKLOG)
     # agents reconnect under a fresh routing id; a stale one should not hold a send for long
     sock.setsockopt(zmq.SNDTIMEO, 0)
-
-
-def _every_tick(work: Callable[[], None]) -> Callable[[], float | None]:
-    def tick() -> float | None:
-        work()
-        return None
-
-    return tick

@@ -10,7 +10,7 @@ cluster never holds up a placement for longer than that copy. Each manager has i
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -83,6 +83,21 @@ class MapCollector(Collector):
         yield from (total, used, reserved, unmanaged, free, healthy, grant, cused, up, kills, placements, queue)
 
 
+class LinkCollector(Collector):
+    """How the agent link keeps up: its loop's longest gap between two polls, and what waits on its lanes."""
+
+    def __init__(self, lag: Callable[[], float], backlog: Callable[[], int]) -> None:
+        self.lag, self.backlog = lag, backlog
+
+    def collect(self) -> Iterator[Metric]:
+        """The longest gap since the last scrape, and the messages waiting to be handled now."""
+        yield GaugeMetricFamily("gpumgr_link_loop_lag_seconds", "The agent link loop's longest gap between two "
+                                "polls since the last scrape: how late a frame may have been read or sent",
+                                value=self.lag())
+        yield GaugeMetricFamily("gpumgr_link_backlog", "Messages from agents received and waiting to be handled",
+                                value=self.backlog())
+
+
 class Metrics:
     """One manager's registry: the map's collector and the API's request-duration histogram."""
 
@@ -92,6 +107,10 @@ class Metrics:
         self.request_duration = Histogram(
             "gpumgr_request_duration_seconds", "REST API requests by route (the URL rule) and method",
             ["route", "method"], registry=self.registry, buckets=DURATION_BUCKETS)
+
+    def watch_link(self, lag: Callable[[], float], backlog: Callable[[], int]) -> None:
+        """Export the agent link's loop lag and backlog (the manager calls this once its link exists)."""
+        self.registry.register(LinkCollector(lag, backlog))
 
     def observe(self, route: str, method: str, started: float) -> None:
         """Record one request that began at ``started`` (``time.perf_counter()``)."""

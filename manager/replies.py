@@ -4,8 +4,11 @@ Only the reply for the operation in flight counts (an older one's is ignored). A
 with a report runs; one refused, or never delivered, failed and made nothing; one unanswered may
 have made a container, so the record keeps its grant, desired ``removed``, until its node reports
 it or a deadline ends it. A remove answered (or ``not_found``) ended it; a refused one leaves it
-running (or lets a preemption try again). A node's refusal reaches the REST caller as the engine's
-words, a 4xx where the caller was at fault (:func:`agent_error`).
+running (or lets a preemption try again, later); one unanswered or never delivered keeps its
+desired state, which the node's next report carries out. Nothing is planned again at once after a
+failure: only an operation that succeeded is followed up here, the rest by the node's next report.
+A node's refusal reaches the REST caller as the engine's words, a 4xx where the caller was at
+fault (:func:`agent_error`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class Replies:
             return []  # a reply for an older operation: ignored
         lost = error if isinstance(error, GpumgrError) else AgentFailed(f"node {record.node}: {error}")
         ok = reply is not None and reply.ok
+        # a frame that never left changed nothing on the node, whatever failed it
+        sent = sent and not (reply is None and isinstance(lost, NoAgents))
         if command.kind is OpKind.CREATE:
             self._create(record, op, reply, lost, sent)
         elif command.kind is OpKind.REMOVE:
@@ -58,9 +63,8 @@ class Replies:
                 record.op = None  # done: the move below must not fail it; its waiter is woken after the move
                 self.life.move(record, State.REMOVED)
                 self.life.end_op(record, op)
-            elif reply is not None or not sent:
-                refused = agent_error(record.node, reply.error, "could not remove the container") \
-                    if reply is not None else lost
+            elif reply is not None:
+                refused = agent_error(record.node, reply.error, "could not remove the container")
                 if record.desired is State.PREEMPTED:
                     self.dispatcher.preemption_failed(record)
                 else:
@@ -68,12 +72,12 @@ class Replies:
                 runs_on = "; it runs on" if record.state in LIVE else ""
                 self.life.event(EventType.FAILED, f"removal failed: {refused.message}{runs_on}", record)
                 self.life.end_op(record, op, refused)
-            else:  # unanswered: its desired state stays; the next heartbeat shows whether it is gone
+            else:  # unanswered or never delivered: its desired state stays; the next report carries it out
                 self.life.end_op(record, op, lost)
         else:
             said = agent_error(record.node, reply.error, "could not resize the grant") if reply and not ok else None
             self.resizer.settle(record, op, ok, said or (None if ok else lost), reply is not None or not sent)
-        follow = self.reconciler.follow_up(record) if record.state in LIVE else None
+        follow = self.reconciler.follow_up(record) if ok and record.state in LIVE else None
         return [follow] if follow is not None else []
 
     def _create(self, record: Container, op: Op, reply: protocol.Reply | None, lost: GpumgrError,
@@ -88,7 +92,7 @@ class Replies:
                 self.life.move(record, State.RUNNING)
                 self.life.end_op(record, op)  # after the move: whoever waits on it sees it running
                 return
-        if reply is not None or not sent or isinstance(lost, NoAgents):  # refused or never delivered: nothing made
+        if reply is not None or not sent:  # refused or never delivered: nothing made
             refused = agent_error(record.node, reply.error if reply else None, "could not start the container") \
                 if reply is not None else lost
             self.life.outcome("failed")

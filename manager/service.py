@@ -33,6 +33,7 @@ from gpumgr.manager.store_etcd import EtcdQueueJournal, EtcdStore
 from gpumgr.manager.tenants import OPERATOR, Principal, Tenant, TenantBook, build_tenants
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.errors import AgentTimeout, Conflict, Forbidden, GpumgrError, InvalidRequest, NoAgents, NotFound
+from gpumgr.wire.lanes import Lanes
 from gpumgr.wire.names import LIVE, State
 
 log = logging.getLogger(__name__)
@@ -68,19 +69,25 @@ class Manager:
                 log.info("restored %d queued requests from %s", restored, self.cluster.journal.path)
         self.leading = Leading(self)
         self.inbound = Inbound(self)
+        #: what agents send runs here, each node's messages in order, never on the link's thread
+        self.lanes = Lanes(defaults.LINK_LANES, name="inbound")
         self.link = link if link is not None else ManagerLink(
             settings.agents, self.inbound.on_message, self.admission.keys, tick=settings.heartbeat_interval / 2,
-            on_tick=self.on_tick, epoch=(lambda: self.plane.epoch) if shared else None)
-        self._next_sweep = 0.0
+            epoch=(lambda: self.plane.epoch) if shared else None, lanes=self.lanes)
+        if hasattr(self.link, "take_lag"):  # a test's stand-in link has no loop to measure
+            self.metrics.watch_link(self.link.take_lag, self.lanes.backlog)
         self._stopping = threading.Event()
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="dispatcher", daemon=True)
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="sweeper", daemon=True)
         #: several managers: a follower checks in the background that its tenants match the leader's
         self._digests = DigestWatch(self) if shared else None
 
     def start(self) -> None:
         """Bind the agent link and start placing queued requests as room frees."""
+        self.lanes.start()
         self.link.start()
         self._dispatcher.start()
+        self._sweeper.start()
         log.info("agent link bound on %s", self.link.bound_endpoint)
         self.plane.start()
         if self._digests is not None:
@@ -93,9 +100,11 @@ class Manager:
             self._digests.stop()
         self._stopping.set()
         self.cluster.wake.set()
-        if self._dispatcher.is_alive():
-            self._dispatcher.join(5)
+        for thread in (self._dispatcher, self._sweeper):
+            if thread.is_alive():
+                thread.join(5)
         self.link.stop()
+        self.lanes.stop()
         self.cluster.journal.close()
 
     def reload_tenants(self, settings: ManagerSettings) -> None:
@@ -168,8 +177,9 @@ class Manager:
         if commands:
             self._wait(commands, self.settings.remove_timeout)
             error = commands[0].op.error
-            if error is not None and not isinstance(error, AgentTimeout):
-                raise error  # its node refused (or is down): the container is still there
+            if error is not None and not isinstance(error, AgentTimeout | NoAgents):
+                raise error  # its node refused: the container is still there
+            # unanswered, or never delivered: the desired state stands, and the node's next report carries it out
         return self.cluster.view(record), 202 if record.state in LIVE or record.op is not None else 200
 
     def forget_node(self, name: str) -> dict[str, Any]:
@@ -203,7 +213,7 @@ class Manager:
                     timeout = self.settings.create_timeout if command.kind is OpKind.CREATE \
                         else self.settings.remove_timeout
                     future = self.link.request_async(node.routing_id, _message(command, self.settings, self.tenants),
-                                                     timeout, key=node.key)
+                                                     timeout, key=node.key)  # it follows the key's connection
             if future is None:  # its node is down (or this manager no longer leads): nothing was sent
                 down = NoAgents(f"node {command.record.node} is down") if leads else \
                     NotLeader("this manager stopped leading before the command was sent")
@@ -270,15 +280,22 @@ class Manager:
                 log.exception("dispatch failed; trying again")
                 self._stopping.wait(defaults.DISPATCH_TICK)
 
-    def on_tick(self) -> None:
-        """The link's tick: sweep for silent nodes and unconfirmed grants every half heartbeat."""
-        now = self.cluster.clock.monotonic()
-        if now >= self._next_sweep and self.plane.is_leader:
-            self._next_sweep = now + self.settings.heartbeat_interval / 2
-            down, commands = self.cluster.sweep()
-            for name in down:
-                log.warning("node %s missed %d heartbeats: marked down", name, self.settings.heartbeat_liveness)
-            self.send(commands)
+    def _sweep_loop(self) -> None:
+        """Every half heartbeat, on a thread of its own (never the link's): see :meth:`sweep_once`."""
+        while not self._stopping.wait(self.settings.heartbeat_interval / 2):
+            try:
+                self.sweep_once()
+            except Exception:  # never let one bad pass stop the sweeps
+                log.exception("the sweep failed; it runs again next time")
+
+    def sweep_once(self) -> None:
+        """Mark silent nodes down, end what missed its deadline, and send what follows (leading only)."""
+        if not self.plane.is_leader:
+            return
+        down, commands = self.cluster.sweep()
+        for name in down:
+            log.warning("node %s missed %d heartbeats: marked down", name, self.settings.heartbeat_liveness)
+        self.send(commands)
 
 
 def manager_name(settings: ManagerSettings) -> str:

@@ -27,14 +27,25 @@ class FakeAgent:
                      for i in range(gpus)]
         self.received: list[protocol.Message] = []
         self.reports: dict[str, protocol.ContainerReport] = {}
-        self.socket = zmq.Context.instance().socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
         server_public, self.join_secret = security.parse_token(token)
         self.keys = keys or security.KeyPair.generate()
-        security.connect_curve(self.socket, self.keys, server_public)
-        self.socket.connect(endpoint)
+        self._server_public, self._endpoint = server_public, endpoint
+        self.socket = self._connect()
         self.joined = False
         self._lock = threading.Lock()
+
+    def _connect(self) -> zmq.Socket:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        security.connect_curve(sock, self.keys, self._server_public)
+        sock.connect(self._endpoint)
+        return sock
+
+    def blip(self) -> None:
+        """Replace the connection, as a network blip does: same key, a new routing id at the manager, nothing sent."""
+        with self._lock:
+            self.socket.close(linger=0)
+            self.socket = self._connect()
 
     def send(self, message: protocol.Message, reply_to: str | None = None) -> None:
         with self._lock:
@@ -82,9 +93,9 @@ class FakeAgent:
         """Answer in a background thread until ``stop`` is set."""
         def loop() -> None:
             while not stop.is_set():
-                if self.socket.poll(50):
-                    with self._lock:
-                        frame = self.socket.recv()
+                with self._lock:  # the socket may be replaced (blip) between two polls
+                    frame = self.socket.recv() if self.socket.poll(20) else None
+                if frame is not None:
                     envelope, message = protocol.decode(frame)
                     self.received.append(message)
                     self._answer(envelope, message)

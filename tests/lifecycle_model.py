@@ -3,10 +3,13 @@
 The manager under test is the real one (:class:`gpumgr.manager.service.Manager`, its cluster, its
 inbound handler); only its link is replaced by :class:`HeldLink`, which keeps every request until the
 test decides its fate: answered, refused, lost (applied on the node, reply never arrives), dropped
-(never applied), or answered again after it was settled. Agents are scripted: each owns an engine
-(grant → container) and speaks through the manager's real inbound handler with a proven key. Time
-is :class:`LogicalClock`, advanced by the test. :func:`engine_violations` is the invariant over the
-engines' truth: a container alive on a node on the map always holds at least its enforced bytes.
+(never applied), or answered again after it was settled. Like the real link it follows keys: a
+frame for a routing id that is no longer connected (the agent reconnected) waits for the key's next
+frame and leaves on its new connection then, or fails as never delivered at its deadline. Agents
+are scripted: each owns an engine (grant → container) and speaks through the manager's real
+inbound handler with a proven key. Time is :class:`LogicalClock`, advanced by the test.
+:func:`engine_violations` is the invariant over the engines' truth: a container alive on a node on
+the map always holds at least its enforced bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 from gpumgr.manager.clock import Clock
 from gpumgr.wire import protocol, security
-from gpumgr.wire.errors import AgentFailed, AgentTimeout
+from gpumgr.wire.errors import AgentFailed, AgentTimeout, NoAgents
 from gpumgr.wire.link import Peer
 from gpumgr.wire.names import LIVE
 from tests.invariant import model_violations
@@ -63,6 +66,10 @@ class HeldLink:
     held: dict[int, Held] = field(default_factory=dict)
     sent: list[tuple[bytes, protocol.Message]] = field(default_factory=list)
     bound_endpoint: str = "held://"
+    #: routing ids whose connection is up, each key's newest one, and what waits for a key's next frame
+    connected: set[bytes] = field(default_factory=set)
+    routes: dict[str, bytes] = field(default_factory=dict)
+    parked: dict[str, list[Held]] = field(default_factory=dict)
     _ids: Any = field(default_factory=lambda: itertools.count(1))
 
     def start(self) -> None:
@@ -71,13 +78,41 @@ class HeldLink:
     def stop(self) -> None:
         """Nothing to close."""
 
-    def send(self, peer: bytes, message: protocol.Message, *, reply_to: str | None = None) -> None:
-        self.sent.append((peer, message))
+    def heard(self, key: str, routing_id: bytes) -> None:
+        """A frame of ``key`` arrived on ``routing_id``: what waited for the key leaves on it, as the real link does."""
+        self.routes[key] = routing_id
+        for item in self.parked.pop(key, []):
+            item.peer = routing_id
+            if item.future.done():
+                continue  # its request ended meanwhile: never sent unasked
+            if item.deadline < 0:  # a plain frame
+                self.sent.append((routing_id, item.message))
+            else:
+                self.held[next(self._ids)] = item
+
+    def _route(self, peer: bytes, key: str) -> bytes | None:
+        """Where a frame for ``peer`` (and ``key``) leaves, or None if that connection is gone."""
+        target = self.routes.get(key, peer) if key else peer
+        return target if target in self.connected else None
+
+    def send(self, peer: bytes, message: protocol.Message, *, reply_to: str | None = None, key: str = "") -> None:
+        target = self._route(peer, key)
+        if target is not None:
+            self.sent.append((target, message))
+        elif key:  # a plain frame: nobody waits on it, so it waits for the key's next frame without a deadline
+            self.parked.setdefault(key, []).append(Held(peer, message, Future(), key, -1.0))
 
     def request_async(self, peer: bytes, message: protocol.Message, timeout: float, *,
                       key: str = "") -> Future[protocol.Reply]:
         future: Future[protocol.Reply] = Future()
-        self.held[next(self._ids)] = Held(peer, message, future, key, self.clock.mono + timeout)
+        target = self._route(peer, key)
+        item = Held(target or peer, message, future, key, self.clock.mono + timeout)
+        if target is not None:
+            self.held[next(self._ids)] = item
+        elif key:
+            self.parked.setdefault(key, []).append(item)
+        else:  # refused on the sending path, as ROUTER_MANDATORY makes the real link's
+            future.set_exception(NoAgents("the agent is not connected now (Host unreachable); try again"))
         return future
 
     def fail_peer(self, peer: bytes, error: Exception, key: str = "") -> int:
@@ -87,7 +122,14 @@ class HeldLink:
         return len(gone)
 
     def expire(self) -> None:
-        """What the real link does on its tick: requests past their deadline fail with AgentTimeout."""
+        """What the real link does on its tick: a frame that never left fails as not delivered, an unanswered
+        request with AgentTimeout."""
+        for key, items in list(self.parked.items()):
+            late = [h for h in items if 0 <= h.deadline <= self.clock.mono]
+            self.parked[key] = [h for h in items if h not in late]
+            for item in late:
+                if not item.future.done():
+                    item.future.set_exception(NoAgents("not delivered: the node's connection was gone"))
         for i in [i for i, h in self.held.items() if h.deadline <= self.clock.mono]:
             self.held.pop(i).future.set_exception(AgentTimeout("the peer did not answer in time"))
 
@@ -118,12 +160,14 @@ class ScriptedAgent:
                      for i in range(gpus)]
         self.engine: dict[str, Box] = {}
         self.up = True
+        manager.link.connected.add(self.routing_id)
         self._join()
 
     def _join(self) -> None:
         secret = self.manager.admission.join_secret()
         proof = security.join_proof(secret, self.key, self.name)
         envelope, message = protocol.decode(protocol.encode(protocol.Join(node=self.name, proof=proof)))
+        self.manager.link.heard(self.key, self.routing_id)
         self.manager.inbound.on_message(Peer(self.routing_id, self.key), envelope, message)
         self._await_join_answer()
         self._obey()
@@ -144,6 +188,7 @@ class ScriptedAgent:
 
     def _say(self, message: protocol.Message) -> None:
         envelope, message = protocol.decode(protocol.encode(message))  # what crosses the wire, as it arrives
+        self.manager.link.heard(self.key, self.routing_id)  # as the real link learns it, before the handler runs
         self.manager.inbound.on_message(Peer(self.routing_id, self.key), envelope, message)
         self._obey()
 
@@ -178,8 +223,10 @@ class ScriptedAgent:
         self._say(protocol.Heartbeat(node=self.name, gpus=samples, containers=statuses))
 
     def reconnect(self) -> None:
-        """Its socket reconnects: a new routing id, the same process (and key)."""
+        """Its socket reconnects: a new routing id, the same process (and key); the old connection is gone."""
+        self.manager.link.connected.discard(self.routing_id)
         self.routing_id = f"{self.name}-{next(self.routing) + 1}".encode()
+        self.manager.link.connected.add(self.routing_id)
 
     def restart(self) -> None:
         """Its process restarts: requests in flight to the old one are never applied."""

@@ -176,7 +176,7 @@ def test_7_a_request_that_can_no_longer_fit_anywhere_does_not_block_the_queue(tm
     small = world.post(4 * GiB, queue=True)
     big.up = False
     world.clock.advance(30)
-    world.manager.on_tick()
+    world.manager.sweep_once()
     for agent in world.agents[:2]:
         agent.heartbeat()  # back from down: they register again
     world.manager.forget_node("big")  # the only node that could ever hold the giant is gone
@@ -304,7 +304,7 @@ def test_a_node_back_after_a_long_absence_reports_exits_with_their_codes(tmp_pat
     world.answer(world.held(protocol.Create)[0])
     agent = world.agents[0]
     world.clock.advance(60)
-    world.manager.on_tick()  # marked down
+    world.manager.sweep_once()  # marked down
     box = agent.engine[cid]
     box.state, box.exit_code, box.ended_at = "exited", 3, world.clock.mono - 40  # ended while it was away
     agent.heartbeat()  # its first heartbeat back asks for the whole report, which carries the exit

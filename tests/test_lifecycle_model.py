@@ -189,7 +189,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def time_passes(self, seconds: float) -> None:
         self.clock.advance(seconds)
         self.link.expire()
-        self.manager.on_tick()
+        self.manager.sweep_once()
         self.settle()
 
     @rule()

@@ -14,6 +14,18 @@ HEARTBEAT_LIVENESS = 3
 NODE_DOWN_AFTER = HEARTBEAT_INTERVAL * HEARTBEAT_LIVENESS
 #: The link's owner thread wakes at least this often for its periodic work (timeouts, sweeps).
 LINK_TICK = HEARTBEAT_INTERVAL / 2
+#: Workers that run what the link receives (each node's messages in order, on the lane of its key).
+LINK_LANES = 4
+#: Messages one sender may have waiting for its lane; beyond it they are dropped (its next heartbeat repeats them).
+LINK_LANE_BACKLOG = 256
+#: Frames kept for one node whose connection is gone, sent on its next frame (beyond it the oldest fail).
+LINK_PARKED_MAX = 256
+#: A frame with nobody waiting on it is kept this long for a node whose connection is gone.
+LINK_PARK_FOR = NODE_DOWN_AFTER
+#: The link loop's gap between two polls above which a warning is logged.
+LINK_LAG_WARN = 1.0
+#: Proven keys whose newest connection the link remembers (the oldest is forgotten beyond it).
+LINK_ROUTES_MAX = 65536
 
 #: How long the manager waits for an agent to create a container (image already local).
 CREATE_TIMEOUT = 60.0
@@ -40,6 +52,8 @@ SIM_REIDENTIFY = 5 * SAMPLE_INTERVAL
 
 #: Threads the agent runs create/remove commands on, and the REST server's threads.
 AGENT_WORKERS = 8
+#: Answers to commands (by grant and operation id) an agent keeps, so one delivered again is not run again.
+AGENT_OPS_KEPT = 1024
 API_THREADS = 16
 
 #: How long the runtime hook's request may wait for the manager before the hook is told no, and the
@@ -104,6 +118,12 @@ ENDED_REPORTED_FOR = 30 * HEARTBEAT_INTERVAL
 
 #: A node down this long is dropped from the map with its grants (its agent's key binding stays).
 NODE_FORGET_AFTER = 24 * 3600.0
+#: Kubernetes' rule for a disrupted zone: when at least DISRUPTION_MIN_NODES nodes, and this fraction of those
+#: that were ready, went silent within one down timeout, it is taken for a partition (the manager's own, or a
+#: switch's), not their deaths: nothing of theirs is forgotten or expired until they return (as Kubernetes'
+#: unhealthyZoneThreshold, and its zone of more than two unready nodes).
+DISRUPTION_THRESHOLD = 0.55
+DISRUPTION_MIN_NODES = 3
 #: A hook-granted container must show up in its node's reports within this long, or its grant is released.
 HOOK_CONFIRM = HOOK_WAIT + 3 * HEARTBEAT_INTERVAL
 

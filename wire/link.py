@@ -4,8 +4,15 @@ One thread owns one ZeroMQ socket (the manager's ROUTER, or an agent's DEALER). 
 touch it: they hand frames to the owner through a queue and wake it through an ``inproc`` socket.
 A request gets a :class:`concurrent.futures.Future` that the owner resolves when the reply with the
 matching ``reply_to`` arrives (or fails with :class:`~gpumgr.wire.errors.AgentTimeout` at its
-deadline). Every other incoming message goes to a handler called on the owner thread, which must be
-quick. Malformed frames are logged and dropped; the loop keeps serving whatever one message does.
+deadline). The owner thread only moves frames: every other incoming message, and every future's
+completion (so every callback), runs on a :class:`~gpumgr.wire.lanes.Lanes` worker, in order per
+sender. Malformed frames are logged and dropped; the loop keeps serving whatever one message does.
+
+A ROUTER follows keys, not connections: a frame sent with the recipient's proven ``key`` leaves on
+the connection that key last spoke on, and one that cannot leave (the connection is gone after a
+blip, or its pipe is full) waits, within its deadline, for that key's next frame and is sent once
+then (:mod:`gpumgr.wire.parking`). Only a frame that never left is ever sent again. The longest gap
+between two polls is kept (:meth:`Link.take_lag`) and logged above ``LINK_LAG_WARN``.
 
 Security lives here too, in one place: the socket is configured by a :class:`~gpumgr.wire.security`
 object before it binds or connects, and every incoming frame carries the peer's proven identity.
@@ -33,6 +40,8 @@ import zmq
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.errors import AgentTimeout, NoAgents, ProtocolError
+from gpumgr.wire.lanes import Lanes
+from gpumgr.wire.parking import Parked, Parking
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +77,11 @@ class LinkHooks:
     """What the owner of a link does on its thread besides routing frames.
 
     ``on_tick`` runs every loop and returns how many seconds may pass before it must run again
-    (None: the link's default tick). ``descriptors`` lists plain file descriptors to watch for input
-    as well, and ``on_ready`` gets those that were readable. ``screen`` sees every decoded frame
-    first, replies included, with who sent it, and returns an error to drop it (a request waiting
-    for that reply fails with the error at once), or None to let it through.
+    (None: the link's default tick); it must only queue work or frames, never wait. ``descriptors``
+    lists plain file descriptors to watch for input as well, and ``on_ready`` gets those that were
+    readable. ``screen`` sees every decoded frame first, replies included, with who sent it, and
+    returns an error to drop it (a request waiting for that reply fails with the error at once), or
+    None to let it through.
     """
 
     on_tick: Callable[[], float | None] | None = None
@@ -93,7 +103,8 @@ class Link:
     def __init__(self, kind: int, endpoint: str, handler: Handler, *, bind: bool, configure: Configure,
                  context: zmq.Context[zmq.Socket[bytes]] | None = None, tick: float = defaults.LINK_TICK,
                  hooks: LinkHooks | None = None, name: str = "link",
-                 epoch: Callable[[], Epoch | None] | None = None, peers: list[str] | None = None) -> None:
+                 epoch: Callable[[], Epoch | None] | None = None, peers: list[str] | None = None,
+                 lanes: Lanes | None = None, park_for: float = defaults.LINK_PARK_FOR) -> None:
         self.kind = kind
         if peers is not None and (bind or kind != zmq.DEALER or endpoint not in peers):
             raise ValueError("peers: a connecting DEALER's addresses, the current endpoint among them")
@@ -112,7 +123,15 @@ class Link:
         self._tick = tick
         self._hooks = hooks or LinkHooks()
         self._ctx = context or zmq.Context.instance()
-        self._outbox: queue.SimpleQueue[tuple[bytes, bytes, str | None]] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[bytes, bytes, str | None, str]] = queue.SimpleQueue()
+        #: where what was received, and every completion, runs (never on the owner thread)
+        self._own_lanes = lanes is None
+        self.lanes = lanes if lanes is not None else Lanes(1, name=f"{name}-work")
+        self._parking = Parking()
+        self._park_for = park_for
+        #: the longest time the owner spent between two polls since :meth:`take_lag` last read it
+        self._lag = 0.0
+        self._lag_warned = 0.0
         self._pending: dict[str, _Pending] = {}
         self._pending_lock = threading.Lock()
         self._wake_addr = f"inproc://gpumgr-{name}-{id(self)}"
@@ -125,6 +144,7 @@ class Link:
     # --- any thread --------------------------------------------------------------------------
     def start(self) -> None:
         """Open the socket on the owner thread; returns once it is bound or connecting (raises if it cannot be)."""
+        self.lanes.start()
         self._thread.start()
         self._ready.wait(10)
         if self._startup_error is not None:
@@ -133,6 +153,7 @@ class Link:
     def run(self) -> None:
         """Serve on the calling thread until :meth:`stop` (it becomes the socket's owner)."""
         self._thread = threading.current_thread()
+        self.lanes.start()
         self._serve()
         if self._startup_error is not None:
             raise self._startup_error
@@ -143,6 +164,8 @@ class Link:
         self._poke()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(5)
+        if self._own_lanes:
+            self.lanes.stop()
 
     @property
     def stopped(self) -> bool:
@@ -165,13 +188,22 @@ class Link:
     def _stamp(self) -> Epoch | None:
         return None if self._epoch is None else self._epoch()
 
-    def send(self, peer: bytes, message: protocol.Message, *, reply_to: str | None = None) -> None:
-        """Queue ``message`` for ``peer`` (a routing id; ``b""`` on a DEALER); never blocks."""
-        self.send_frame(peer, protocol.encode(message, reply_to=reply_to, epoch=self._stamp()))
+    def take_lag(self) -> float:
+        """The longest gap between two polls since the last call (seconds): how late the link may have heard."""
+        lag, self._lag = self._lag, 0.0
+        return lag
 
-    def send_frame(self, peer: bytes, frame: bytes, msg_id: str | None = None) -> None:
+    def send(self, peer: bytes, message: protocol.Message, *, reply_to: str | None = None, key: str = "") -> None:
+        """Queue ``message`` for ``peer`` (a routing id; ``b""`` on a DEALER); never blocks.
+
+        With ``key`` (a ROUTER's peer's proven key) it leaves on that key's newest connection, and waits
+        for the key's next frame if that connection is gone.
+        """
+        self.send_frame(peer, protocol.encode(message, reply_to=reply_to, epoch=self._stamp()), key=key)
+
+    def send_frame(self, peer: bytes, frame: bytes, msg_id: str | None = None, key: str = "") -> None:
         """Queue an already encoded frame for ``peer``; never blocks. ``msg_id`` names a request waiting on it."""
-        self._outbox.put((peer, frame, msg_id))
+        self._outbox.put((peer, frame, msg_id, key))
         self._poke()
 
     def request_async(self, peer: bytes, message: protocol.Message, timeout: float, *,
@@ -185,7 +217,7 @@ class Link:
         future: Future[protocol.Reply] = Future()
         with self._pending_lock:
             self._pending[msg_id] = _Pending(future, peer, time.monotonic() + timeout, message.TYPE, key)
-        self.send_frame(peer, protocol.encode(message, msg_id=msg_id, epoch=self._stamp()), msg_id)
+        self.send_frame(peer, protocol.encode(message, msg_id=msg_id, epoch=self._stamp()), msg_id, key)
         return future
 
     def fail_peer(self, peer: bytes, error: Exception, key: str = "") -> int:
@@ -194,8 +226,7 @@ class Link:
             gone = [k for k, p in self._pending.items() if (p.key == key if key else p.peer == peer)]
             failed = [self._pending.pop(k) for k in gone]
         for pending in failed:
-            if not pending.future.done():
-                pending.future.set_exception(error)
+            self._complete(pending, error=error)
         return len(failed)
 
     def fail_all(self, error: Exception) -> int:  # issue 21
@@ -203,8 +234,7 @@ class Link:
         with self._pending_lock:
             failed, self._pending = list(self._pending.values()), {}
         for pending in failed:
-            if not pending.future.done():
-                pending.future.set_exception(error)
+            self._complete(pending, error=error)
         return len(failed)
 
     def request(self, peer: bytes, message: protocol.Message, timeout: float) -> protocol.Reply:
@@ -241,10 +271,13 @@ class Link:
         poller.register(pull, zmq.POLLIN)
         watched: set[int] = set()
         wait = 0.0
+        polled = time.monotonic()
         while not self._stop.is_set():
             if self._hooks.descriptors is not None:
                 watched = _watch(poller, watched, self._hooks.descriptors())
+            self._note_lag(time.monotonic() - polled)
             events = dict(poller.poll(max(0, int(wait * 1000)) + 1))
+            polled = time.monotonic()
             if pull in events:
                 while pull.poll(0):
                     pull.recv()
@@ -261,6 +294,14 @@ class Link:
             self._expire()
             self._move()
             self._flush()
+
+    def _note_lag(self, busy: float) -> None:
+        """The owner was away from its poll for ``busy`` seconds: keep the longest, warn when it is too long."""
+        if busy > self._lag:
+            self._lag = busy
+        if busy > defaults.LINK_LAG_WARN and time.monotonic() - self._lag_warned > 10 * defaults.LINK_LAG_WARN:
+            self._lag_warned = time.monotonic()
+            log.warning("the %s loop went %.2fs between two polls: frames waited that long", self._thread.name, busy)
 
     def _run_tick(self) -> float:
         if self._hooks.on_tick is None:
@@ -339,32 +380,75 @@ class Link:
     def _flush(self) -> None:
         while True:
             try:
-                peer, frame, msg_id = self._outbox.get_nowait()
+                peer, frame, msg_id, key = self._outbox.get_nowait()
             except queue.Empty:
                 return
-            if self.kind == zmq.ROUTER:
-                sock, parts, current = self._socks[b""], [peer, frame], True
-            else:  # a DEALER: b"" is the current connection, an address its own (a reply where a command came from)
-                key = peer if peer in self._socks else self._current
-                sock, parts, current = self._socks[key], [frame], key == self._current
-            try:
-                sock.send_multipart(parts, zmq.NOBLOCK)
-                if current:
-                    self._unreachable_since = None
-            except zmq.ZMQError as exc:
-                log.debug("cannot reach peer %r now (%s); one message dropped", peer, exc)
-                if current and self._unreachable_since is None:
-                    self._unreachable_since = time.monotonic()
-                if msg_id is not None:
-                    who = "the agent is not connected" if self.kind == zmq.ROUTER else "the manager is not reachable"
-                    self._fail(msg_id, NoAgents(f"{who} now ({exc.strerror}); try again"))
+            if key and key in self._parking:  # frames already wait for this key: keep their order
+                self._park(Parked(key, frame, msg_id, self._deadline_of(msg_id)))
+            else:
+                self._send_now(peer, frame, msg_id, key)
+
+    def _send_now(self, peer: bytes, frame: bytes, msg_id: str | None, key: str) -> bool:
+        """Hand one frame to ZeroMQ; one that cannot leave now waits for its key's next frame, or fails at once."""
+        if self.kind == zmq.ROUTER:
+            sock, parts, current = self._socks[b""], [self._parking.route(key, peer), frame], True
+        else:  # a DEALER: b"" is the current connection, an address its own (a reply where a command came from)
+            conn = peer if peer in self._socks else self._current
+            sock, parts, current = self._socks[conn], [frame], conn == self._current
+        try:
+            sock.send_multipart(parts, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if current and self._unreachable_since is None:
+                self._unreachable_since = time.monotonic()
+            if key and self.kind == zmq.ROUTER:
+                self._park(Parked(key, frame, msg_id, self._deadline_of(msg_id)))
+                return False
+            log.debug("cannot reach peer %r now (%s); one message dropped", peer, exc)
+            if msg_id is not None:
+                who = "the agent is not connected" if self.kind == zmq.ROUTER else "the manager is not reachable"
+                self._fail(msg_id, NoAgents(f"{who} now ({exc.strerror}); try again"))
+            return False
+        if current:
+            self._unreachable_since = None
+        return True
+
+    def _deadline_of(self, msg_id: str | None) -> float:
+        """How long a frame that cannot leave may wait: its request's deadline, else ``park_for``."""
+        with self._pending_lock:
+            pending = self._pending.get(msg_id or "")
+        return pending.deadline if pending is not None else time.monotonic() + self._park_for
+
+    def _park(self, item: Parked) -> None:
+        pushed = self._parking.park(item)
+        if pushed is not None and pushed.msg_id is not None:
+            self._fail(pushed.msg_id, NoAgents("too many commands wait for this node's connection; not sent"))
+
+    def _unpark(self, key: str) -> None:
+        """``key`` spoke again: what waited for it leaves now, once, on its newest connection."""
+        for index, item in enumerate(waiting := self._parking.take(key)):
+            if item.msg_id is not None and not self._is_pending(item.msg_id):
+                continue  # its request ended meanwhile: it must not run unasked
+            if not self._send_now(b"", item.frame, item.msg_id, key):
+                for rest in waiting[index + 1:]:  # still no way out: the rest wait behind it, in order
+                    self._park(rest)
+                return
+
+    def _is_pending(self, msg_id: str) -> bool:
+        with self._pending_lock:
+            return msg_id in self._pending
 
     def _fail(self, msg_id: str, error: Exception) -> None:
         """A request whose frame could not leave fails at once instead of waiting out its timeout."""
         with self._pending_lock:
             pending = self._pending.pop(msg_id, None)
-        if pending is not None and not pending.future.done():
-            pending.future.set_exception(error)
+        if pending is not None:
+            self._complete(pending, error=error)
+
+    def _complete(self, pending: _Pending, reply: protocol.Reply | None = None,
+                  error: Exception | None = None) -> None:
+        """Resolve ``pending``'s future on its sender's lane, never on the owner thread (callbacks run there)."""
+        lane = pending.key.encode() if pending.key else pending.peer
+        self.lanes.submit(lane, _resolve_future, pending.future, reply, error, bounded=False)
 
     def _drain(self, sock: zmq.Socket[bytes], key: bytes) -> bool:
         """Handle what has arrived, at most DRAIN_BATCH frames; True if more may wait.
@@ -387,6 +471,8 @@ class Link:
             log.warning("dropped a message of %d parts on the link (expected one frame)", len(parts) - routed)
             return
         peer = Peer(parts[0].bytes if routed else key, _key_of(parts[-1]))
+        if routed and peer.key and self._parking.heard(peer.key, peer.routing_id):
+            self._unpark(peer.key)  # any frame the key proves shows its connection: what waited leaves on it
         try:
             envelope, message = protocol.decode(parts[-1].bytes)
         except ProtocolError as exc:
@@ -399,10 +485,10 @@ class Link:
             return
         if isinstance(message, protocol.Reply) and self._resolve(peer, envelope, message):
             return
-        try:
-            self._handler(peer, envelope, message)
-        except Exception:  # one bad message must never stop the link
-            log.exception("handling %s from %r failed", envelope.type, peer.routing_id)
+        lane = peer.key.encode() if peer.key else peer.routing_id
+        if not self.lanes.submit(lane, self._handler, peer, envelope, message):
+            log.warning("dropped %s from %r: %d of its messages wait already", envelope.type, peer.routing_id[:16],
+                        self.lanes.per_key)
 
     def _resolve(self, peer: Peer, envelope: protocol.Envelope, reply: protocol.Reply) -> bool:
         """Hand ``reply`` to the request waiting for it; False if none is (the handler then sees it)."""
@@ -411,18 +497,29 @@ class Link:
             if pending is None or (self.kind == zmq.ROUTER and not _same_sender(pending, peer)):
                 return False
             del self._pending[envelope.reply_to or ""]
-        if not pending.future.done():
-            pending.future.set_result(reply)
+        self._complete(pending, reply)
         return True
 
     def _expire(self) -> None:
         now = time.monotonic()
+        for item in self._parking.expired(now):  # never left: nothing happened, and the request says so
+            if item.msg_id is not None:
+                self._fail(item.msg_id, NoAgents("not delivered: the node's connection was gone until the "
+                                                 "command's deadline"))
         with self._pending_lock:
             late = [k for k, p in self._pending.items() if p.deadline <= now]
             expired = [self._pending.pop(k) for k in late]
         for pending in expired:
-            if not pending.future.done():
-                pending.future.set_exception(AgentTimeout(f"the peer did not answer {pending.what} in time"))
+            self._complete(pending, error=AgentTimeout(f"the peer did not answer {pending.what} in time"))
+
+
+def _resolve_future(future: Future[protocol.Reply], reply: protocol.Reply | None, error: Exception | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(reply)  # type: ignore[arg-type]
 
 
 def _same_sender(pending: _Pending, peer: Peer) -> bool:

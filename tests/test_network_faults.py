@@ -1,0 +1,91 @@
+"""Network faults on the real CURVE link: a blip gives an agent a new routing id, a pipe fills, a peer goes silent.
+
+Each test here reproduces a defect that wedged the manager (issue "Network faults"): a frame that
+could not leave was failed on the link thread, its failure re-planned the same command, and the
+link thread never polled again. They drive the in-process manager over real ZeroMQ sockets with
+scripted agents, and end with the invariant.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from gpumgr.manager.app import create_app
+from gpumgr.manager.config import ManagerSettings
+from gpumgr.manager.service import Manager
+from tests.fake_agent import FakeAgent
+from tests.invariant import model_violations
+from tests.procs import wait_for
+
+#: a call to a healthy node answers within this, whatever another node's network does
+HEALTHY_CALL = 2.0
+
+
+@pytest.fixture
+def stack(tmp_path):
+    manager = Manager(ManagerSettings(agents="tcp://127.0.0.1:0", create_timeout=2.0, remove_timeout=3.0,
+                                      heartbeat_interval=5.0, state_dir=str(tmp_path / "state")))
+    manager.start()
+    app = create_app(manager)
+    stop = threading.Event()
+    agents: list[FakeAgent] = []
+    threads: list[threading.Thread] = []
+
+    def add_agent(node: str, **kw) -> FakeAgent:
+        agent = FakeAgent(manager.link.bound_endpoint, manager.admission.token(), node=node, **kw)
+        agent.register()
+        threads.append(agent.serve(stop))
+        agents.append(agent)
+        return agent
+
+    yield manager, app.test_client(), add_agent
+    stop.set()
+    for thread in threads:
+        thread.join(2)
+    for agent in agents:
+        agent.close()
+    manager.stop()
+
+
+def _timed(pool: ThreadPoolExecutor, call, limit: float):
+    """Run ``call`` on ``pool`` and return ``(response, seconds)``; fails (instead of hanging) past ``limit``."""
+    started = time.monotonic()
+    response = pool.submit(call).result(limit)
+    return response, time.monotonic() - started
+
+
+def test_a_delete_after_a_blip_is_carried_out_and_never_wedges_the_link(stack) -> None:
+    """Before the fix: the DELETE answered 503, the link thread re-sent the Remove to the dead routing id
+    forever (one core, 15,000 dropped frames a second), and a POST to a healthy node timed out."""
+    manager, client, add_agent = stack
+    a = add_agent("a")
+    record = client.post("/v1/containers", json={"gpu_memory": "2GiB", "image": "img", "node": "a"}).json
+    assert record["state"] == "running", record
+    b = add_agent("b")
+    a.blip()  # a new routing id for a's key; the manager has not heard from it yet
+    with ThreadPoolExecutor(2) as pool:
+        deleting = pool.submit(client.delete, f"/v1/containers/{record['id']}")
+        time.sleep(0.3)
+        # a healthy node is placed on at once, while a's command waits for a's next frame
+        placed, took = _timed(pool, lambda: client.post("/v1/containers", json={
+            "gpu_memory": "1GiB", "image": "img", "node": "b"}), HEALTHY_CALL + 1)
+        assert placed.status_code == 201, placed.json
+        assert took < HEALTHY_CALL
+        a.heartbeat()  # a's first frame on its new connection: the Remove leaves on it
+        deleted = deleting.result(10)
+    assert deleted.status_code in (200, 202), deleted.json
+    wait_for(lambda: record["id"] not in a.reports, 5, what="a's container to be removed after the blip")
+    wait_for(lambda: client.get(f"/v1/containers/{record['id']}").json["state"] == "removed", 5,
+             what="its record to end")
+    assert b.reports  # b runs what it was given
+    assert model_violations(manager, engines(a, b)) == []
+
+
+def engines(*agents: FakeAgent) -> dict[str, dict[str, tuple[str, int]]]:
+    """What each scripted agent runs, as the invariant reads an engine's truth."""
+    return {agent.node: {grant: (report.state, report.gpu_memory) for grant, report in agent.reports.items()}
+            for agent in agents}
