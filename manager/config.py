@@ -27,6 +27,8 @@ class ManagerSettings(Settings):
     create_timeout: float = Field(defaults.CREATE_TIMEOUT, gt=0)
     remove_timeout: float = Field(defaults.REMOVE_TIMEOUT, gt=0)
     forget_after: float = Field(defaults.NODE_FORGET_AFTER, gt=0)
+    #: this fraction of the ready nodes silent within one down timeout is a partition: nothing of theirs is ended
+    disruption_threshold: float = Field(defaults.DISRUPTION_THRESHOLD, gt=0, le=1)
     threads: int = Field(defaults.API_THREADS, ge=1)
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     #: what tenants may ask for beyond their containers (a tenant's own ``policy`` replaces it)

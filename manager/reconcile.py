@@ -5,7 +5,9 @@ A node's report is its engine's truth: a live grant it no longer reports is over
 know is adopted from the full report a registration carries, and a record whose desired state is
 not ``running`` is stopped once nothing else is in flight on it (:meth:`Reconciler.follow_up`).
 The node also says which grant it enforces; where that differs from the map, the map holds the
-larger figure until the two agree, and tells the node the map's figure. Called under the ledger's lock.
+larger figure until the two agree, and tells the node the map's figure. When many nodes go silent at
+once (:attr:`Reconciler.disrupted`), it is taken for a partition, not their deaths: no node is forgotten
+and no grant's confirm deadline expires until they return. Called under the ledger's lock.
 """
 
 from __future__ import annotations
@@ -29,11 +31,18 @@ class Reconciler:
     """Registrations, heartbeats, sweeps and follow-ups; see the module docstring."""
 
     def __init__(self, life: Lifecycle, *, down_after: float = defaults.NODE_DOWN_AFTER,
-                 forget_after: float = defaults.NODE_FORGET_AFTER) -> None:
+                 forget_after: float = defaults.NODE_FORGET_AFTER,
+                 disruption_threshold: float = defaults.DISRUPTION_THRESHOLD) -> None:
         self.life, self.ledger, self.clock = life, life.ledger, life.clock
         self.down_after = down_after
         #: a node down this long is dropped from the map (its binding stays: it may come back)
         self.forget_after = forget_after
+        #: the fraction of the ready nodes that, silent within one down timeout, makes a disruption
+        self.disruption_threshold = disruption_threshold
+        #: when each node still down was marked down by a sweep (monotonic)
+        self._down_at: dict[str, float] = {}
+        #: while disrupted: the start of the down timeout it began in; nodes marked down since count
+        self._disrupted_since: float | None = None
         self.remove_timeout = defaults.REMOVE_TIMEOUT
         #: per node: the agent process (instance) and the refused adoptions already recorded for it
         self._refused: dict[str, tuple[str, set[tuple[str, str]]]] = {}  # issue 20
@@ -129,23 +138,83 @@ class Reconciler:
         self.life.events.record(EventType.NODE_DOWN, f"node {name} was forgotten", node=name)
         return True
 
+    @property
+    def disrupted(self) -> bool:
+        """Whether many nodes went silent at once: nothing that ends work on down nodes runs meanwhile."""
+        return self._disrupted_since is not None
+
     def sweep(self, now: float) -> list[str]:
-        """Mark silent nodes down, forget long-gone ones, end unconfirmed grants; return the nodes marked down."""
+        """Mark silent nodes down, forget long-gone ones, end unconfirmed grants; return the nodes marked down.
+
+        While :attr:`disrupted`, nothing is forgotten and no confirm deadline expires.
+        """
         stale = [n for n in self.ledger.nodes.values() if n.ready and now - n.last_seen_mono > self.down_after]
         for node in stale:
             self.ledger.set_ready(node, False)
+            self._down_at[node.name] = now
             self.life.events.record(EventType.NODE_DOWN, f"node {node.name} is down", node=node.name)
+        self._judge_disruption(now)
+        if self._disrupted_since is None:
+            self._expire_unconfirmed(now)
+            self._forget_gone(now)
+        return [n.name for n in stale]
+
+    def _expire_unconfirmed(self, now: float) -> None:
+        """End the grants being created whose node did not confirm them by their deadline."""
         for record in [r for r in self.ledger.records.values() if r.state is State.CREATING and r.op is None]:
             holder = self.ledger.nodes.get(record.node)
             if holder is not None and not holder.ready:
                 continue  # its node cannot confirm it now; its deadline restarts when the node returns
             if record.deadline is not None and now > record.deadline:
                 self.life.move(record, State.FAILED, "never confirmed by its node in time: grant released")
+
+    def _forget_gone(self, now: float) -> None:
+        """Forget the nodes down for longer than ``forget_after``."""
         for name in [n.name for n in self.ledger.nodes.values()
                      if not n.ready and now - n.last_seen_mono > self.forget_after]:
             log.info("forgetting node %s: down for over %gs", name, self.forget_after)
             self.forget_node(name, reason=f"its node was down for over {self.forget_after:g}s")
-        return [n.name for n in stale]
+
+    def _judge_disruption(self, now: float) -> None:
+        """Begin or end a disruption: enough of the ready nodes went silent within one down timeout.
+
+        Once begun, the window stays open at its start, so the nodes silent since count until they
+        return; a node down from before it (a dead one) never counts.
+        """
+        if not self._down_at and self._disrupted_since is None:
+            return
+        nodes = self.ledger.nodes
+        for name in [n for n in self._down_at if n not in nodes or nodes[n].ready]:
+            del self._down_at[name]  # back, or forgotten
+        since = now - self.down_after if self._disrupted_since is None else self._disrupted_since
+        silent = sum(1 for at in self._down_at.values() if at >= since)
+        before = silent + sum(1 for n in nodes.values() if n.ready)
+        disrupted = silent >= defaults.DISRUPTION_MIN_NODES and silent / before >= self.disruption_threshold
+        if disrupted and self._disrupted_since is None:
+            self._disruption_began(since, silent, before)
+        elif not disrupted and self._disrupted_since is not None:
+            self._disruption_ended(now, silent)
+
+    def _disruption_began(self, since: float, silent: int, before: int) -> None:
+        """Pause forgetting and expiry: ``silent`` of the ``before`` ready nodes went silent since ``since``."""
+        self._disrupted_since = since
+        text = (f"{silent} of {before} ready nodes went silent within {self.down_after:g}s: taken for a partition, "
+                "not their deaths; no node is forgotten and no confirm deadline expires until they return")
+        log.warning("disruption: %s", text)
+        self.life.events.record(EventType.NODE_DOWN, text, disrupted=True, silent=silent, ready_before=before)
+
+    def _disruption_ended(self, now: float, silent: int) -> None:
+        """Resume forgetting and expiry: too few of the nodes are still silent (``silent``)."""
+        self._disrupted_since = None
+        # deadlines that passed meanwhile get the time a node back from down gets, rather than ending at once
+        later = now + 2 * self.down_after
+        for record in self.ledger.records.values():
+            if record.state is State.CREATING and record.deadline is not None:
+                record.deadline = max(record.deadline, later)
+        text = (f"the disruption is over ({silent} node(s) of it still silent): nodes down past forget_after are "
+                "forgotten and confirm deadlines expire again")
+        log.warning("disruption: %s", text)
+        self.life.events.record(EventType.NODE_UP, text, disrupted=False, silent=silent)
 
     # --- desired state -------------------------------------------------------------------------
     def follow_up(self, record: Container) -> Command | None:
