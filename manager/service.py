@@ -61,6 +61,7 @@ class Manager:
         if isinstance(self.plane.store, EtcdStore):  # the queue's record is the shared store's, written by sync
             self.cluster.journal = self.cluster.life.journal = EtcdQueueJournal(self.plane.store)
         self.cluster.tenants = self.tenants
+        self.cluster.reconciler.disruption_threshold = settings.disruption_threshold
         self.cluster.set_timeouts(settings.create_timeout, settings.remove_timeout)
         self.metrics = Metrics(self.cluster)
         if not shared:  # several managers: the leader loads the queue when elected

@@ -15,7 +15,7 @@ from gpumgr.manager.events import EventLog
 from gpumgr.manager.lifecycle import placed_text
 from gpumgr.manager.records import Command, Op, OpKind, PlacementSpec
 from gpumgr.manager.service import Manager
-from gpumgr.wire import protocol
+from gpumgr.wire import defaults, protocol
 from gpumgr.wire.errors import GpumgrError
 from gpumgr.wire.names import EventType, State
 from tests.lifecycle_model import Box, GiB, HeldLink, LogicalClock, ScriptedAgent, engine_violations, lost, refusal
@@ -140,6 +140,9 @@ def test_5_after_a_failed_preemption_the_request_preempts_again(tmp_path):
     (remove,) = world.held(protocol.Remove)
     world.answer(remove, apply=False, reply=refusal())  # the node could not stop it
     assert world.cluster.get(victim).state is State.RUNNING and world.cluster.get(victim).desired is State.RUNNING
+    world.manager.dispatch_once()
+    assert world.held(protocol.Remove) == []  # not asked again at once: it backs off
+    world.clock.advance(1.5 * defaults.PREEMPT_RETRY_MIN)
     world.manager.dispatch_once()
     (again,) = world.held(protocol.Remove)  # once never tried again: making_room was never cleared
     world.answer(again)

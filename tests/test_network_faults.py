@@ -17,7 +17,7 @@ import pytest
 from gpumgr.manager.app import create_app
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.service import Manager
-from tests.fake_agent import FakeAgent
+from tests.fake_agent import FakeAgent, GiB
 from tests.invariant import model_violations
 from tests.procs import wait_for
 
@@ -89,3 +89,46 @@ def engines(*agents: FakeAgent) -> dict[str, dict[str, tuple[str, int]]]:
     """What each scripted agent runs, as the invariant reads an engine's truth."""
     return {agent.node: {grant: (report.state, report.gpu_memory) for grant, report in agent.reports.items()}
             for agent in agents}
+
+
+def test_a_shrink_after_a_blip_waits_for_the_node_and_never_wedges_the_link(stack) -> None:
+    """The same trap without a DELETE: a PATCH's failed send counted as not definitive and was sent again at once."""
+    manager, client, add_agent = stack
+    a = add_agent("a")
+    record = client.post("/v1/containers", json={"gpu_memory": "4GiB", "image": "img", "node": "a"}).json
+    b = add_agent("b")
+    a.blip()
+    with ThreadPoolExecutor(2) as pool:
+        shrinking = pool.submit(client.patch, f"/v1/containers/{record['id']}", json={"gpu_memory": "2GiB"})
+        time.sleep(0.3)
+        placed, took = _timed(pool, lambda: client.post("/v1/containers", json={
+            "gpu_memory": "1GiB", "image": "img", "node": "b"}), HEALTHY_CALL + 1)
+        assert placed.status_code == 201 and took < HEALTHY_CALL, placed.json
+        a.heartbeat()
+        shrunk = shrinking.result(10)
+    assert shrunk.status_code == 200 and shrunk.json["gpu_memory"] == 2 * GiB, shrunk.json
+    assert a.reports[record["id"]].gpu_memory == 2 * GiB  # applied once, on the new connection
+    assert model_violations(manager, engines(a, b)) == []
+
+
+def test_a_delete_for_a_node_that_went_silent_answers_202_and_runs_when_it_returns(stack) -> None:
+    """Its host died less than the down timeout ago: the Remove waits out its deadline, never a 503, never a spin."""
+    manager, client, add_agent = stack
+    a = add_agent("a")
+    record = client.post("/v1/containers", json={"gpu_memory": "2GiB", "image": "img", "node": "a"}).json
+    b = add_agent("b")
+    a.blip()  # and then silence: nothing from a until it returns
+    with ThreadPoolExecutor(2) as pool:
+        deleting = pool.submit(client.delete, f"/v1/containers/{record['id']}")
+        for _ in range(3):  # the healthy node is served at once, all the while
+            placed, took = _timed(pool, lambda: client.post("/v1/containers", json={
+                "gpu_memory": "1GiB", "image": "img", "node": "b"}), HEALTHY_CALL + 1)
+            assert placed.status_code == 201 and took < HEALTHY_CALL, placed.json
+        deleted = deleting.result(manager.settings.remove_timeout + 15)
+    assert deleted.status_code == 202 and deleted.json["desired_state"] == "removed", deleted.json
+    assert record["id"] in a.reports  # not removed yet: its node never heard of it
+    a.heartbeat()  # back: the desired state is carried out
+    wait_for(lambda: record["id"] not in a.reports, 10, what="the container removed once its node returned")
+    wait_for(lambda: client.get(f"/v1/containers/{record['id']}").json["state"] == "removed", 5,
+             what="its record to end")
+    assert model_violations(manager, engines(a, b)) == []
