@@ -77,6 +77,8 @@ class Manager:
             epoch=(lambda: self.plane.epoch) if shared else None, lanes=self.lanes)
         if hasattr(self.link, "take_lag"):  # a test's stand-in link has no loop to measure
             self.metrics.watch_link(self.link.take_lag, self.lanes.backlog)
+        #: names this process's operations on the wire: op ids restart with the process, grants do not
+        self._ops = os.urandom(4).hex()
         self._stopping = threading.Event()
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="dispatcher", daemon=True)
         self._sweeper = threading.Thread(target=self._sweep_loop, name="sweeper", daemon=True)
@@ -213,8 +215,9 @@ class Manager:
                 if leads and node is not None and node.ready:
                     timeout = self.settings.create_timeout if command.kind is OpKind.CREATE \
                         else self.settings.remove_timeout
-                    future = self.link.request_async(node.routing_id, _message(command, self.settings, self.tenants),
-                                                     timeout, key=node.key)  # it follows the key's connection
+                    message = _message(command, self.settings, self.tenants, self._ops)
+                    future = self.link.request_async(node.routing_id, message, timeout,
+                                                     key=node.key)  # it follows the key's connection
             if future is None:  # its node is down (or this manager no longer leads): nothing was sent
                 down = NoAgents(f"node {command.record.node} is down") if leads else \
                     NotLeader("this manager stopped leading before the command was sent")
@@ -304,18 +307,23 @@ def manager_name(settings: ManagerSettings) -> str:
     return settings.advertise_api or f"{socket.gethostname()}:{os.getpid()}"
 
 
-def _message(command: Command, settings: ManagerSettings, tenants: TenantBook) -> protocol.Message:
-    """The link message that carries ``command`` out (a create carries the run spec and the policy in force)."""
+def _message(command: Command, settings: ManagerSettings, tenants: TenantBook, ops: str) -> protocol.Message:
+    """The link message that carries ``command`` out (a create carries the run spec and the policy in force).
+
+    It names its operation (``ops``, this manager process's own prefix, and the operation's number), so an
+    agent that gets it twice (a frame re-sent after a reconnect) applies it once.
+    """
     record = command.record
+    op = f"{ops}.{command.op.id}"
     if command.kind is OpKind.CREATE:
         return protocol.Create(spec=protocol.ContainerSpec(
             grant=record.id, name=record.name, image=record.image, command=record.command, env=record.env,
             labels=record.labels, gpus=record.gpus, gpu_memory=record.gpu_memory, on_overrun=record.on_overrun,
             created_at=record.created_at, tenant=record.tenant or "", priority=record.priority,
             preemptible=record.preemptible, **run_fields(record.spec.run, record.tenant, settings.policy, tenants),
-        ))
+        ), op=op)
     if command.kind is OpKind.RESIZE:
-        return protocol.Resize(grant=record.id, gpu_memory=command.op.new)
-    return protocol.Remove(grant=record.id, stop_grace=min(defaults.STOP_GRACE, settings.remove_timeout / 2))
+        return protocol.Resize(grant=record.id, gpu_memory=command.op.new, op=op)
+    return protocol.Remove(grant=record.id, stop_grace=min(defaults.STOP_GRACE, settings.remove_timeout / 2), op=op)
 
 

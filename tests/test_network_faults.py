@@ -17,6 +17,7 @@ import pytest
 from gpumgr.manager.app import create_app
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.service import Manager
+from gpumgr.wire import protocol
 from tests.fake_agent import FakeAgent, GiB
 from tests.invariant import model_violations
 from tests.procs import wait_for
@@ -82,6 +83,9 @@ def test_a_delete_after_a_blip_is_carried_out_and_never_wedges_the_link(stack) -
     wait_for(lambda: client.get(f"/v1/containers/{record['id']}").json["state"] == "removed", 5,
              what="its record to end")
     assert b.reports  # b runs what it was given
+    commands = [m for m in a.received if isinstance(m, protocol.Create | protocol.Remove)]
+    assert len(commands) == 2 and all(m.op for m in commands)  # each names its operation, for the agent's dedupe
+    assert len({m.op for m in commands}) == 2
     assert model_violations(manager, engines(a, b)) == []
 
 
