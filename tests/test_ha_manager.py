@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
+from gpumgr import __version__
 from gpumgr.manager.config import ManagerSettings
+from gpumgr.manager.inbound import MIN_AGENT_VERSION
 from gpumgr.manager.records import PlacementSpec
 from gpumgr.manager.service import Manager
 from gpumgr.manager.store_etcd import EtcdQueueJournal
@@ -131,9 +133,12 @@ def test_an_agent_too_old_for_the_managers_commands_is_told_which_version_it_nee
         assert agent.join().ok
         agent.send(protocol.Register(node="ha2-old", runtime="docker", gpus=agent.gpus, version="0.0.9"))
         refused = agent.expect(protocol.Refused)
-        assert refused.code == "agent_too_old" and "0.1.0 or newer" in refused.message and "0.0.9" in refused.message
-        assert not manager.cluster.node_ready("ha2-old")
+        assert refused.code == "agent_too_old" and f"{MIN_AGENT_VERSION} or newer" in refused.message
+        assert "0.0.9" in refused.message
         agent.send(protocol.Register(node="ha2-old", runtime="docker", gpus=agent.gpus, version="0.1.0"))
+        assert agent.expect(protocol.Refused).code == "agent_too_old"  # it cannot read a command's op
+        assert not manager.cluster.node_ready("ha2-old")
+        agent.send(protocol.Register(node="ha2-old", runtime="docker", gpus=agent.gpus, version=__version__))
         agent.expect(protocol.Registered)
         assert manager.cluster.node_ready("ha2-old")
     finally:

@@ -202,6 +202,8 @@ class Create(Message):
 
     TYPE: ClassVar[str] = "create"
     spec: ContainerSpec
+    #: the manager's operation id: a delivery of the same (grant, op) again runs once ("": no dedupe)
+    op: str = Field(default="", max_length=64)
 
 
 class Remove(Message):
@@ -210,6 +212,8 @@ class Remove(Message):
     TYPE: ClassVar[str] = "remove"
     grant: str
     stop_grace: float = Field(default=defaults.STOP_GRACE, ge=0)
+    #: as in :class:`Create`
+    op: str = Field(default="", max_length=64)
 
 
 class Resize(Message):
@@ -221,6 +225,8 @@ class Resize(Message):
     TYPE: ClassVar[str] = "resize"
     grant: str
     gpu_memory: int = Field(gt=0)
+    #: as in :class:`Create`
+    op: str = Field(default="", max_length=64)
 
 
 class Logs(Message):
