@@ -2,7 +2,10 @@
 
 It registers with its GPUs and its managed containers, heartbeats every interval with a fresh
 memory sample, runs create/remove commands on a small thread pool (so a slow Docker call never
-delays a heartbeat), and reports container exits as they happen. ZeroMQ reconnects with capped
+delays a heartbeat), and reports container exits as they happen. The link's thread only moves
+frames and decides what is due: registrations and heartbeats are built (a GPU sample, the engine's
+containers) on a worker thread of their own, the fence is written by its own thread, and a command
+delivered twice runs once (:mod:`gpumgr.agent.ops`). ZeroMQ reconnects with capped
 backoff on its own; registration is retried with the same backoff until the manager answers, and
 repeated whenever the manager says it does not know this node (it restarted). The socket belongs to
 a :class:`~gpumgr.wire.link.Link` (a DEALER) whose owner thread is the one that calls :meth:`Agent.run`.
@@ -10,6 +13,8 @@ a :class:`~gpumgr.wire.link.Link` (a DEALER) whose owner thread is the one that 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import random
@@ -25,7 +30,7 @@ import zmq
 from gpumgr import __version__
 from gpumgr.agent import swarm_labels
 from gpumgr.agent.enforcer import Enforcer, EnforcerSettings
-from gpumgr.agent.fence import Fence, StaleEpoch
+from gpumgr.agent.fence import Fence, FenceUnwritable, StaleEpoch
 from gpumgr.agent.gpus import GpuSource
 from gpumgr.agent.hookrelay import MANAGER, HookRelay, bind_relay
 from gpumgr.agent.identity import Identity
@@ -39,6 +44,7 @@ from gpumgr.agent.managers import (
     parse_managers,
 )
 from gpumgr.agent.meter import Sample, take_sample
+from gpumgr.agent.ops import OpKey, Ops, op_key
 from gpumgr.agent.runtime import ChangeCallback, Managed, Runtime
 from gpumgr.wire import defaults, protocol, security
 from gpumgr.wire.epoch import Epoch
@@ -83,6 +89,11 @@ class Agent:
         self._join_deadline = time.monotonic() + join_timeout
         self._joining = False
         self._pool = ThreadPoolExecutor(defaults.AGENT_WORKERS, thread_name_prefix="agent-cmd")
+        #: builds what the link's tick sends (one at a time, apart from commands, so a busy pool delays no beat)
+        self._work = ThreadPoolExecutor(1, thread_name_prefix="agent-work")
+        self._beating = self._registering = False
+        #: the commands run, by operation: one delivered again is answered, not run again
+        self.ops = Ops()
         self._expiring: Future[None] | None = None
         self._relay: HookRelay | None = None
         self._backoff, self._next_register, self._next_beat = defaults.RECONNECT_MIN, 0.0, 0.0
@@ -134,7 +145,8 @@ class Agent:
     def _tick(self) -> float:
         """Join once if needed, register until accepted, then heartbeat every interval.
 
-        Returns the seconds until the next thing is due.
+        It only decides what is due: the worker thread builds each message and sends it. Returns the
+        seconds until the next thing is due.
         """
         now = time.monotonic()
         if self._join is not None:
@@ -142,19 +154,47 @@ class Agent:
         if self.managers.several and self.registered.is_set() and self.link.unreachable_for() > SILENT_AFTER:
             self.registered.clear()
             self._move_on(f"nothing reached it for {SILENT_AFTER:g}s", silent=True)
-        if not self.registered.is_set() and now >= self._next_register:
+        if not self.registered.is_set() and now >= self._next_register and not self._registering:
             if self.managers.unanswered():
                 self._move_on("it did not answer this node's registration")
             self._next_register = now + jittered(max(self._backoff, defaults.ANSWER_WAIT))
             self._backoff = min(self._backoff * 2, defaults.RECONNECT_MAX)
-            self.link.send(MANAGER, self._register_message())
-        if self.registered.is_set() and now >= self._next_beat:
+            self._registering = True
+            self._off_link(self._send_registration)
+        if self.registered.is_set() and now >= self._next_beat and not self._beating:
             self._next_beat = now + self.interval
-            self.link.send(MANAGER, self._heartbeat_message())
+            self._beating = True
+            self._off_link(self._send_heartbeat)
         if self._relay is not None:
             self._relay.expire()
         due = self._next_beat if self.registered.is_set() else self._next_register
-        return due - time.monotonic()
+        # one still being built wakes the link when it is sent: no need to come back sooner
+        return max(due - time.monotonic(), defaults.LINK_TICK if self._beating or self._registering else 0.0)
+
+    def _off_link(self, work: Callable[..., None], *args: Any) -> None:
+        """Run ``work(*args)`` on the worker thread: a GPU sample, a disk or the engine never holds the link's."""
+        def guarded() -> None:
+            try:
+                work(*args)
+            except Exception:  # the next tick asks again
+                log.exception("the agent's %s failed", getattr(work, "__name__", "work"))
+
+        with contextlib.suppress(RuntimeError):  # stopping: the worker is gone, and nothing is due any more
+            self._work.submit(guarded)
+
+    def _send_registration(self) -> None:
+        try:
+            message = self._register_message()
+        finally:
+            self._registering = False
+        self.link.send(MANAGER, message)
+
+    def _send_heartbeat(self) -> None:
+        try:
+            message = self._heartbeat_message()
+        finally:
+            self._beating = False
+        self.link.send(MANAGER, message)
 
     def _join_tick(self, now: float) -> float:
         if now >= self._join_deadline:
@@ -163,11 +203,17 @@ class Agent:
         elif not self._joining and self._join is not None:
             self._joining = True
             future = self.link.request_async(MANAGER, self._join, jittered(max(self._backoff, defaults.ANSWER_WAIT)))
-            future.add_done_callback(self._joined)
+            # its answer is recorded on disk: not on the link's thread
+            future.add_done_callback(functools.partial(self._off_link, self._joined))
         return self._backoff
 
     def _joined(self, done: Future[protocol.Reply]) -> None:
-        self._joining = False
+        try:
+            self._settle_join(done)
+        finally:
+            self._joining = False
+
+    def _settle_join(self, done: Future[protocol.Reply]) -> None:
         if done.exception() is not None:  # unanswered: ZeroMQ may still be connecting; ask again
             self._backoff = min(self._backoff * 2, defaults.RECONNECT_MAX)
             # a frame that could not leave yet (still connecting) is no sign the manager is gone; long silence is
@@ -234,6 +280,8 @@ class Agent:
         if self._relay is not None:
             self._relay.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._work.shutdown(wait=False, cancel_futures=True)
+        self.fence.close()
 
     def _followed(self, peer: Peer) -> bool:
         """Whether ``peer`` is the connection to the manager this agent follows (the only one, or the current)."""
@@ -265,15 +313,15 @@ class Agent:
             # and Swarm starts them again, to queue afresh
             self.link.fail_peer(MANAGER, AgentFailed("the manager restarted while the task waited in its queue"))
         elif isinstance(message, protocol.Create):
-            self._pool.submit(self._answer, peer.routing_id, envelope.id, self._create, message.spec)
+            self._command(peer.routing_id, envelope, message, self._create)
         elif isinstance(message, protocol.Remove):
-            self._pool.submit(self._answer, peer.routing_id, envelope.id, self._remove, message)
+            self._command(peer.routing_id, envelope, message, self._remove)
         elif isinstance(message, protocol.Resize):
-            self._pool.submit(self._answer, peer.routing_id, envelope.id, self._resize, message)
+            self._command(peer.routing_id, envelope, message, self._resize)
         elif isinstance(message, protocol.Logs):
             self._pool.submit(self._answer, peer.routing_id, envelope.id, self._logs, message)
         elif isinstance(message, protocol.Signal):
-            self._pool.submit(self._answer, peer.routing_id, envelope.id, self._signal, message)
+            self._command(peer.routing_id, envelope, message, self._signal)
         elif isinstance(message, protocol.Reply):
             log.info("late reply %s from the manager dropped", envelope.reply_to)
         else:
@@ -327,9 +375,39 @@ class Agent:
             return enforcer.latest
         return take_sample(self.source, self.devices, self.runtime)
 
+    def _command(self, to: bytes, envelope: protocol.Envelope, message: Any,
+                 work: Callable[[Any], dict[str, Any]]) -> None:
+        """Run a command that acts on the pool; a delivery of one already run or running is only answered."""
+        key = op_key(envelope, message)
+        if key is not None:
+            run, kept = self.ops.arrive(key, to, envelope.id)
+            if kept is not None:
+                log.info("a %s of grant %s delivered again: answered as before", envelope.type, key[0])
+                self.link.send(to, kept, reply_to=envelope.id)
+            if not run:
+                return
+        epoch = None if envelope.epoch is None else Epoch(*envelope.epoch)
+        self._pool.submit(self._act, to, envelope.id, key, functools.partial(self._fenced, epoch, work), message)
+
     # --- worker threads ----------------------------------------------------------------------
-    def _create(self, spec: protocol.ContainerSpec) -> dict[str, Any]:
-        return self.runtime.create(spec).report().model_dump()
+    def _fenced(self, epoch: Epoch | None, work: Callable[[Any], dict[str, Any]], message: Any) -> dict[str, Any]:
+        """``work(message)`` once ``epoch`` is on disk: a restarted agent still refuses every older leader."""
+        self.fence.durable(epoch)
+        return work(message)
+
+    def _act(self, to: bytes, request_id: str, key: OpKey | None, work: Callable[[Any], dict[str, Any]],
+             message: Any) -> None:
+        """Run ``work`` and answer every delivery of it; a refusal that changed nothing is not kept."""
+        reply = self._outcome(work, message)
+        ids = [request_id]
+        if key is not None:
+            unwritable = reply.error is not None and reply.error.code == FenceUnwritable.code
+            to, ids = self.ops.settle(key, reply, keep=not unwritable)
+        for each in ids:
+            self.link.send(to, reply, reply_to=each)
+
+    def _create(self, message: protocol.Create) -> dict[str, Any]:
+        return self.runtime.create(message.spec).report().model_dump()
 
     def _remove(self, message: protocol.Remove) -> dict[str, Any]:
         self.runtime.remove(message.grant, message.stop_grace)
@@ -350,6 +428,10 @@ class Agent:
 
     def _answer(self, to: bytes, request_id: str, work: Callable[[Any], dict[str, Any]], argument: Any) -> None:
         """Run ``work`` and answer ``request_id`` on the connection ``to`` it came on, whatever happens."""
+        self.link.send(to, self._outcome(work, argument), reply_to=request_id)
+
+    def _outcome(self, work: Callable[[Any], dict[str, Any]], argument: Any) -> protocol.Reply:
+        """The reply to ``work(argument)``: its result, or the error it raised in the link's error shape."""
         try:
             reply = protocol.Reply(ok=True, result=work(argument))
         except PolicyDenied as exc:  # the rule travels in the message: the link's error shape has no room for it
@@ -359,7 +441,7 @@ class Agent:
         except Exception as exc:  # report every failure to the manager rather than lose it
             log.exception("command failed")
             reply = protocol.Reply(ok=False, error=protocol.ErrorBody(code="runtime_failed", message=str(exc)))
-        self.link.send(to, reply, reply_to=request_id)
+        return reply
 
 
 def _not_leader(message: protocol.Message) -> bool:

@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 
 import msgpack
 import pytest
 
-from gpumgr.agent.fence import Fence, StaleEpoch
+from gpumgr.agent.fence import Fence, FenceUnwritable, StaleEpoch
 from gpumgr.agent.managers import ManagerSet, parse_managers
 from gpumgr.manager.admission import Admission
+from gpumgr.manager.ha import DEPOSED
 from gpumgr.manager.link import ManagerLink
 from gpumgr.wire import envelope, protocol
 from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.errors import ProtocolError
 from gpumgr.wire.link import Peer
 from tests.procs import AgentProc, ManagerProc, Proc, free_port, wait_for
+from tests.test_agent_ops import AgentRig, ScriptedManager
 
 OLD, NEW, NEXT_STORE = Epoch(1_700_000_000_000, 5), Epoch(1_700_000_000_000, 10), Epoch(1_700_000_000_001, 2)
 
@@ -32,6 +36,7 @@ def test_fence_keeps_the_highest_epoch_across_restarts(tmp_path) -> None:
     fence.admit(NEW)
     with pytest.raises(StaleEpoch, match="newer leader"):
         fence.admit(OLD)
+    fence.durable(NEW)  # what a command waits for before it acts
     again = Fence(tmp_path)
     assert again.highest == NEW
     with pytest.raises(StaleEpoch):
@@ -39,8 +44,25 @@ def test_fence_keeps_the_highest_epoch_across_restarts(tmp_path) -> None:
     with pytest.raises(StaleEpoch, match="without an epoch"):
         again.admit(None)
     again.admit(NEXT_STORE)  # a rebuilt store: a later generation outranks every revision of the old one
+    again.durable(NEXT_STORE)
     with pytest.raises(StaleEpoch):
         Fence(tmp_path).admit(NEW)
+
+
+def test_a_fence_that_cannot_be_written_refuses_with_a_code_of_its_own_until_it_can(tmp_path) -> None:
+    fence = Fence(tmp_path, write_wait=5)
+    (tmp_path / "fence.json").mkdir()  # the write fails as on a full or read-only disk (root ignores modes)
+    fence.admit(NEW)  # screening never touches the disk, so never fails for it
+    with pytest.raises(FenceUnwritable, match=r"fence\.json") as refused:
+        fence.durable(NEW)
+    assert refused.value.code == "fence_unwritable" and not isinstance(refused.value, StaleEpoch)
+    assert FenceUnwritable.code not in DEPOSED  # a manager told so keeps its lead
+    with pytest.raises(StaleEpoch):  # the mark rose in memory all the same: the old leader is refused
+        fence.admit(OLD)
+    (tmp_path / "fence.json").rmdir()
+    fence.durable(NEW)  # the next command tries the write again
+    assert Fence(tmp_path).highest == NEW
+    fence.close()
 
 
 def test_a_damaged_fence_file_is_an_error_not_a_reset(tmp_path) -> None:
@@ -263,3 +285,71 @@ def test_an_agent_skips_a_dead_address_and_follows_a_killed_managers_twin(tmp_pa
         if twin is not None:
             twin.stop()
         first.stop()
+
+
+# --- a real agent in this process: the fence is written off the link's thread, and a failed write kills nothing
+def test_the_fence_is_written_off_the_links_thread_before_a_command_acts(tmp_path, monkeypatch) -> None:
+    from gpumgr.agent import fence as fence_module
+
+    writes: list[tuple[threading.Thread, int]] = []
+    original = fence_module.security.write_private
+
+    def recorded(path: Path, data: dict) -> None:
+        if path.name == "fence.json":
+            writes.append((threading.current_thread(), rig.starts("g-fenced")))
+        original(path, data)
+
+    monkeypatch.setattr(fence_module.security, "write_private", recorded)
+    manager = ScriptedManager()
+    rig = AgentRig(tmp_path, manager)
+    try:
+        manager.epoch = NEW
+        rig.start(manager)
+        created = manager.ask(protocol.Create(spec=rig.spec("g-fenced"), op="op-f"))
+        assert created.ok, created
+        assert writes, "the fence was never written"
+        assert all(thread is not rig.owner for thread, _ in writes), "the fence was written on the link's thread"
+        assert writes[0][1] == 0, "the command acted before its epoch was on disk"
+        assert Fence(rig.state).highest == NEW
+    finally:
+        rig.stop()
+        manager.close()
+
+
+def test_an_agent_whose_fence_cannot_be_written_refuses_the_new_leader_and_lives_on(tmp_path, caplog) -> None:
+    """A full or read-only disk: the write fails, is logged, and the new leader's commands are refused with
+    ``fence_unwritable``; the agent keeps its link, heartbeats and runs that leader's commands once it can."""
+    manager = ScriptedManager()
+    rig = AgentRig(tmp_path, manager)
+    (rig.state / "fence.json").mkdir()  # after the agent read its fence: a write there fails
+    try:
+        manager.epoch = NEW  # the new leader's registration answer carries its epoch
+        with caplog.at_level(logging.ERROR, logger="gpumgr.agent.fence"):
+            rig.start(manager)
+            msg_id, frame = manager.frame(protocol.Create(spec=rig.spec("g-unwritable"), op="op-u"))
+            manager.deliver(frame)
+            refused = manager.answer(msg_id)
+        assert not refused.ok and refused.error is not None and refused.error.code == "fence_unwritable", refused
+        assert "fence.json" in refused.error.message
+        assert any("cannot write the fence" in r.getMessage() for r in caplog.records)
+        assert rig.starts("g-unwritable") == 0 and rig.runtime.managed() == []
+        before = manager.heartbeats
+        manager.pump(1.0)
+        assert manager.heartbeats - before >= 3, "the agent stopped heartbeating"
+        assert rig.owner.is_alive() and not rig.agent.link.stopped
+        manager.epoch = OLD  # the leader it left is still refused: the mark rose in memory
+        stale = manager.ask(protocol.Remove(grant="g-none", op="op-old"))
+        assert stale.error is not None and stale.error.code == "stale_epoch"
+        manager.epoch = NEW
+        (rig.state / "fence.json").rmdir()  # the disk is fixed: the same command, sent again, now runs
+        manager.replies.clear()
+        manager.deliver(frame)
+        ran = manager.answer(msg_id)
+        assert ran.ok, ran
+        wait_for(lambda: rig.starts("g-unwritable") == 1, 5, what="the command to run")
+        assert Fence(rig.state).highest == NEW
+        time.sleep(0.2)
+        assert rig.owner.is_alive()
+    finally:
+        rig.stop()
+        manager.close()
