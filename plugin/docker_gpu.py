@@ -21,7 +21,7 @@ from gpumgr.wire.errors import GpumgrError
 from gpumgr.wire.names import LIVE, Env, Label
 from gpumgr.wire.units import format_bytes, parse_bytes
 
-METADATA = {"SchemaVersion": "0.1.0", "Vendor": "gpumgr", "Version": "0.1.0",
+METADATA = {"SchemaVersion": "0.1.0", "Vendor": "gpumgr", "Version": "0.2.0",
             "ShortDescription": "GPU memory grants for containers and Swarm services"}
 DEFAULT_MANAGER = "http://127.0.0.1:9400"
 CONFIG_PATH = "~/.config/gpumgr/plugin.yaml"

@@ -202,3 +202,27 @@ def test_a_flood_from_one_key_is_bounded_and_never_drops_another_key(count: int)
         wait_for(lambda: "calm" in handled, 5, what="the calm node's frame")
         assert handled.count("flood") == count
     lanes.stop()
+
+
+def test_a_request_the_old_connection_took_unanswered_is_sent_once_more_on_the_new_one() -> None:
+    """It may have died in the old pipe (the ROUTER had not seen the disconnect yet): the command's
+    deadline ran out with its node never having it. The agent applies one delivered twice once."""
+    heard: list[Peer] = []
+    with router(lambda peer, envelope, message: heard.append(peer)) as (link, peers):
+        keys = security.KeyPair.generate()
+        first = peers.dealer(keys)
+        hello(first)
+        wait_for(lambda: heard, 10, what="the first connection")
+        future = link.request_async(heard[0].routing_id, protocol.Remove(grant="g", op="o.1"), 10, key=keys.public)
+        assert first.poll(5_000)
+        sent, _ = protocol.decode(first.recv())
+        first.close(linger=0)  # gone before it answered
+        second = peers.dealer(keys)
+        hello(second)
+        assert second.poll(5_000), "the unanswered request was not sent on the new connection"
+        again, message = protocol.decode(second.recv())
+        assert again.id == sent.id and isinstance(message, protocol.Remove) and message.op == "o.1"
+        hello(second)
+        assert not second.poll(300)  # once per reconnect, not at every frame
+        second.send(protocol.encode(protocol.Reply(ok=True), reply_to=again.id))
+        assert future.result(5).ok

@@ -11,7 +11,9 @@ sender. Malformed frames are logged and dropped; the loop keeps serving whatever
 A ROUTER follows keys, not connections: a frame sent with the recipient's proven ``key`` leaves on
 the connection that key last spoke on, and one that cannot leave (the connection is gone after a
 blip, or its pipe is full) waits, within its deadline, for that key's next frame and is sent once
-then (:mod:`gpumgr.wire.parking`). Only a frame that never left is ever sent again. The longest gap
+then (:mod:`gpumgr.wire.parking`). A request that left on a connection the key has since replaced,
+unanswered, is sent once more on the new one (it may have died with the old; agents apply a command
+they get twice once, by its operation id). Nothing else is ever sent again. The longest gap
 between two polls is kept (:meth:`Link.take_lag`) and logged above ``LINK_LAG_WARN``.
 
 Security lives here too, in one place: the socket is configured by a :class:`~gpumgr.wire.security`
@@ -70,6 +72,9 @@ class _Pending:
     what: str
     #: the proven key the reply must come from ("" to match by routing id, which a reconnect changes)
     key: str = ""
+    #: the frame, and the connection it left on (b"": not yet): sent again once if the key reconnects unanswered
+    frame: bytes = b""
+    sent_on: bytes = b""
 
 
 @dataclass
@@ -215,9 +220,11 @@ class Link:
         """
         msg_id = protocol.new_id()
         future: Future[protocol.Reply] = Future()
+        frame = protocol.encode(message, msg_id=msg_id, epoch=self._stamp())
         with self._pending_lock:
-            self._pending[msg_id] = _Pending(future, peer, time.monotonic() + timeout, message.TYPE, key)
-        self.send_frame(peer, protocol.encode(message, msg_id=msg_id, epoch=self._stamp()), msg_id, key)
+            self._pending[msg_id] = _Pending(future, peer, time.monotonic() + timeout, message.TYPE, key,
+                                             frame if key and self.kind == zmq.ROUTER else b"")
+        self.send_frame(peer, frame, msg_id, key)
         return future
 
     def fail_peer(self, peer: bytes, error: Exception, key: str = "") -> int:
@@ -397,6 +404,8 @@ class Link:
             sock, parts, current = self._socks[conn], [frame], conn == self._current
         try:
             sock.send_multipart(parts, zmq.NOBLOCK)
+            if msg_id is not None and key:
+                self._left(msg_id, parts[0])
         except zmq.ZMQError as exc:
             if current and self._unreachable_since is None:
                 self._unreachable_since = time.monotonic()
@@ -412,6 +421,12 @@ class Link:
             self._unreachable_since = None
         return True
 
+    def _left(self, msg_id: str, routing_id: bytes) -> None:
+        with self._pending_lock:
+            pending = self._pending.get(msg_id)
+        if pending is not None:
+            pending.sent_on = routing_id
+
     def _deadline_of(self, msg_id: str | None) -> float:
         """How long a frame that cannot leave may wait: its request's deadline, else ``park_for``."""
         with self._pending_lock:
@@ -422,6 +437,21 @@ class Link:
         pushed = self._parking.park(item)
         if pushed is not None and pushed.msg_id is not None:
             self._fail(pushed.msg_id, NoAgents("too many commands wait for this node's connection; not sent"))
+
+    def _heard(self, peer: Peer) -> None:
+        """A frame of ``peer.key`` arrived: what waited for the key leaves on this connection; after a reconnect,
+        so does each request the old connection took and nobody answered (it may have died with it; the agent
+        runs a command it gets twice once, by its operation id)."""
+        before = self._parking.heard(peer.key, peer.routing_id)
+        if before is not None:
+            with self._pending_lock:
+                lost = [(i, p) for i, p in self._pending.items()
+                        if p.key == peer.key and p.frame and p.sent_on not in (b"", peer.routing_id)]
+            for msg_id, pending in lost:
+                pending.sent_on = b""
+                self._send_now(peer.routing_id, pending.frame, msg_id, peer.key)
+        if peer.key in self._parking:
+            self._unpark(peer.key)
 
     def _unpark(self, key: str) -> None:
         """``key`` spoke again: what waited for it leaves now, once, on its newest connection."""
@@ -471,8 +501,8 @@ class Link:
             log.warning("dropped a message of %d parts on the link (expected one frame)", len(parts) - routed)
             return
         peer = Peer(parts[0].bytes if routed else key, _key_of(parts[-1]))
-        if routed and peer.key and self._parking.heard(peer.key, peer.routing_id):
-            self._unpark(peer.key)  # any frame the key proves shows its connection: what waited leaves on it
+        if routed and peer.key:
+            self._heard(peer)
         try:
             envelope, message = protocol.decode(parts[-1].bytes)
         except ProtocolError as exc:

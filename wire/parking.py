@@ -45,15 +45,17 @@ class Parking:
         """The routing id ``key`` last spoke from, else ``fallback`` (the caller's idea of it)."""
         return self._routes.get(key, fallback) if key else fallback
 
-    def heard(self, key: str, routing_id: bytes) -> bool:
-        """``key`` spoke on ``routing_id``; True if frames wait for it (the caller then takes them)."""
+    def heard(self, key: str, routing_id: bytes) -> bytes | None:
+        """``key`` spoke on ``routing_id``: the routing id it spoke on before, if this is a new one (a reconnect)."""
         routes = self._routes
-        if routes.get(key) != routing_id:
-            routes[key] = routing_id
-            routes.move_to_end(key)
-            if len(routes) > self._max_routes:
-                routes.popitem(last=False)
-        return key in self._frames
+        before = routes.get(key)
+        if before == routing_id:
+            return None
+        routes[key] = routing_id
+        routes.move_to_end(key)
+        if len(routes) > self._max_routes:
+            routes.popitem(last=False)
+        return before
 
     def forget(self, key: str) -> None:
         """``key``'s connection is gone for good (its process restarted): drop the route, keep nothing."""
