@@ -43,57 +43,25 @@ from gpumgr.wire import defaults, protocol
 from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.errors import AgentTimeout, NoAgents, ProtocolError
 from gpumgr.wire.lanes import Lanes
+from gpumgr.wire.link_parts import (
+    Configure,
+    Handler,
+    LinkHooks,
+    Peer,
+    Pending,
+    key_of,
+    resolve_future,
+    same_sender,
+    watch,
+)
 from gpumgr.wire.parking import Parked, Parking
 
+__all__ = ["Configure", "Handler", "Link", "LinkHooks", "Peer"]
 log = logging.getLogger(__name__)
 
 _WAKE = b"w"
 #: Frames handled per wake-up before queued replies are sent.
 DRAIN_BATCH = 256
-
-
-@dataclass(frozen=True)
-class Peer:
-    """Who sent a frame: the ROUTER's routing id (empty on a DEALER) and the sender's proven key."""
-
-    routing_id: bytes
-    key: str = ""
-
-
-Handler = Callable[[Peer, protocol.Envelope, protocol.Message], None]
-Configure = Callable[[zmq.Socket[bytes]], None]
-
-
-@dataclass
-class _Pending:
-    future: Future[protocol.Reply]
-    peer: bytes
-    deadline: float
-    what: str
-    #: the proven key the reply must come from ("" to match by routing id, which a reconnect changes)
-    key: str = ""
-    #: the frame, and the connection it left on (b"": not yet): sent again once if the key reconnects unanswered
-    frame: bytes = b""
-    sent_on: bytes = b""
-
-
-@dataclass
-class LinkHooks:
-    """What the owner of a link does on its thread besides routing frames.
-
-    ``on_tick`` runs every loop and returns how many seconds may pass before it must run again
-    (None: the link's default tick); it must only queue work or frames, never wait. ``descriptors``
-    lists plain file descriptors to watch for input as well, and ``on_ready`` gets those that were
-    readable. ``screen`` sees every decoded frame first, replies included, with who sent it, and
-    returns an error to drop it (a request waiting for that reply fails with the error at once), or
-    None to let it through.
-    """
-
-    on_tick: Callable[[], float | None] | None = None
-    descriptors: Callable[[], set[int]] | None = None
-    on_ready: Callable[[set[int]], None] | None = None
-    on_stop: Callable[[], None] | None = None
-    screen: Callable[[Peer, protocol.Envelope, protocol.Message], Exception | None] | None = None
 
 
 @dataclass
@@ -137,7 +105,7 @@ class Link:
         #: the longest time the owner spent between two polls since :meth:`take_lag` last read it
         self._lag = 0.0
         self._lag_warned = 0.0
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, Pending] = {}
         self._pending_lock = threading.Lock()
         self._wake_addr = f"inproc://gpumgr-{name}-{id(self)}"
         self._wake = _Wake()
@@ -222,7 +190,7 @@ class Link:
         future: Future[protocol.Reply] = Future()
         frame = protocol.encode(message, msg_id=msg_id, epoch=self._stamp())
         with self._pending_lock:
-            self._pending[msg_id] = _Pending(future, peer, time.monotonic() + timeout, message.TYPE, key,
+            self._pending[msg_id] = Pending(future, peer, time.monotonic() + timeout, message.TYPE, key,
                                              frame if key and self.kind == zmq.ROUTER else b"")
         self.send_frame(peer, frame, msg_id, key)
         return future
@@ -281,7 +249,7 @@ class Link:
         polled = time.monotonic()
         while not self._stop.is_set():
             if self._hooks.descriptors is not None:
-                watched = _watch(poller, watched, self._hooks.descriptors())
+                watched = watch(poller, watched, self._hooks.descriptors())
             self._note_lag(time.monotonic() - polled)
             events = dict(poller.poll(max(0, int(wait * 1000)) + 1))
             polled = time.monotonic()
@@ -474,11 +442,11 @@ class Link:
         if pending is not None:
             self._complete(pending, error=error)
 
-    def _complete(self, pending: _Pending, reply: protocol.Reply | None = None,
+    def _complete(self, pending: Pending, reply: protocol.Reply | None = None,
                   error: Exception | None = None) -> None:
         """Resolve ``pending``'s future on its sender's lane, never on the owner thread (callbacks run there)."""
         lane = pending.key.encode() if pending.key else pending.peer
-        self.lanes.submit(lane, _resolve_future, pending.future, reply, error, bounded=False)
+        self.lanes.submit(lane, resolve_future, pending.future, reply, error, bounded=False)
 
     def _drain(self, sock: zmq.Socket[bytes], key: bytes) -> bool:
         """Handle what has arrived, at most DRAIN_BATCH frames; True if more may wait.
@@ -500,7 +468,7 @@ class Link:
         if len(parts) != (2 if routed else 1):
             log.warning("dropped a message of %d parts on the link (expected one frame)", len(parts) - routed)
             return
-        peer = Peer(parts[0].bytes if routed else key, _key_of(parts[-1]))
+        peer = Peer(parts[0].bytes if routed else key, key_of(parts[-1]))
         if routed and peer.key:
             self._heard(peer)
         try:
@@ -524,7 +492,7 @@ class Link:
         """Hand ``reply`` to the request waiting for it; False if none is (the handler then sees it)."""
         with self._pending_lock:
             pending = self._pending.get(envelope.reply_to or "")
-            if pending is None or (self.kind == zmq.ROUTER and not _same_sender(pending, peer)):
+            if pending is None or (self.kind == zmq.ROUTER and not same_sender(pending, peer)):
                 return False
             del self._pending[envelope.reply_to or ""]
         self._complete(pending, reply)
@@ -541,34 +509,3 @@ class Link:
             expired = [self._pending.pop(k) for k in late]
         for pending in expired:
             self._complete(pending, error=AgentTimeout(f"the peer did not answer {pending.what} in time"))
-
-
-def _resolve_future(future: Future[protocol.Reply], reply: protocol.Reply | None, error: Exception | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(reply)  # type: ignore[arg-type]
-
-
-def _same_sender(pending: _Pending, peer: Peer) -> bool:
-    """Whether ``peer`` may answer ``pending``: its proven key when one was named, else its routing id."""
-    return pending.key == peer.key if pending.key else pending.peer == peer.routing_id
-
-
-def _key_of(frame: zmq.Frame) -> str:
-    """The peer's proven identity (its CURVE public key, as the ZAP handler named it), or ``""``."""
-    try:
-        return str(frame.get("User-Id"))
-    except (zmq.ZMQError, UnicodeDecodeError):
-        return ""
-
-
-def _watch(poller: zmq.Poller, watched: set[int], wanted: set[int]) -> set[int]:
-    """Make ``poller`` watch exactly the plain descriptors in ``wanted`` for input; returns ``wanted``."""
-    for fd in watched - wanted:
-        poller.unregister(fd)
-    for fd in wanted - watched:
-        poller.register(fd, zmq.POLLIN)
-    return wanted
