@@ -29,6 +29,8 @@ class ManagerSettings(Settings):
     forget_after: float = Field(defaults.NODE_FORGET_AFTER, gt=0)
     #: this fraction of the ready nodes silent within one down timeout is a partition: nothing of theirs is ended
     disruption_threshold: float = Field(defaults.DISRUPTION_THRESHOLD, gt=0, le=1)
+    #: several managers: a leader that hears from under half its nodes this long, while they ask others, steps down
+    headless_after: float = Field(defaults.HEADLESS_AFTER, gt=0)
     threads: int = Field(defaults.API_THREADS, ge=1)
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     #: what tenants may ask for beyond their containers (a tenant's own ``policy`` replaces it)

@@ -158,6 +158,10 @@ class Replicated:
         self.leadership.step_down(f"told {code} (a newer leader rules)")
         return True
 
+    def step_down(self, why: str, hold_off: float = 0.0) -> None:
+        """Stop leading now, and stay out of elections for ``hold_off`` seconds (so that another manager leads)."""
+        self.leadership.step_down(why, hold_off)
+
     def start(self) -> None:
         """Start campaigning."""
         self.leadership.start()

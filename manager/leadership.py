@@ -19,6 +19,10 @@ manager that lost the key (or a store rebuilt under it) writes nothing. Every co
 carries the epoch and agents refuse lower ones, so a leader that was paused past its lease and comes
 back changes nothing anywhere, hears ``stale_epoch`` or ``fenced``, and steps down.
 
+*Stepping aside.* A leader cut off from its agents but not from etcd (:mod:`gpumgr.manager.headless`)
+steps down with a hold-off: it revokes its lease and does not campaign again for that long, so a
+manager the agents can reach is elected instead of the same one at once.
+
 *Time.* The TTL is 3 s: etcd 3.4's floor is 2 s, and a 3 s lease renewed every second
 (:data:`RENEW_EVERY`) survives two lost renewals or an etcd leader election (about one second with
 etcd's default 1 s election timeout; etcd also extends leases when its own leader changes) without
@@ -78,6 +82,8 @@ class Leadership:
         self._leader: dict[str, Any] | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        #: no campaign before this (monotonic): it stepped down so that a manager its agents can reach leads
+        self._hold_until = 0.0
         #: when etcd last stopped answering (no endpoint, or no quorum), until a call gets through again
         self.unreachable_since: float | None = None
 
@@ -157,9 +163,13 @@ class Leadership:
             if self._epoch is None:
                 self._leader = None
 
-    def step_down(self, why: str) -> None:
-        """Stop leading now (a fenced write, a ``stale_epoch`` from an agent, a lost lease, shutdown)."""
+    def step_down(self, why: str, hold_off: float = 0.0) -> None:
+        """Stop leading now (a fenced write, a ``stale_epoch`` from an agent, a lost lease, shutdown).
+
+        With ``hold_off`` this manager does not campaign again for that many seconds, so another leads first.
+        """
         with self._lock:
+            self._hold_until = max(self._hold_until, time.monotonic() + hold_off)
             epoch, lease, self._epoch, self._lease, self._deadline = self._epoch, self._lease, None, 0, 0.0
             if epoch is not None:
                 self._leader = None
@@ -185,6 +195,8 @@ class Leadership:
             return CAMPAIGN_POLL
         with self._lock:
             self._leader = None
+            if time.monotonic() < self._hold_until:  # it stepped down for its agents' sake: another goes first
+                return CAMPAIGN_POLL
         generation, raw = self._generation()
         sent = time.monotonic()
         lease, granted = self.client.lease_grant(self.ttl)

@@ -23,6 +23,7 @@ from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.events import EventLog
 from gpumgr.manager.forward import DigestWatch
 from gpumgr.manager.ha import DEPOSED, Replicated, Solo, control_plane
+from gpumgr.manager.headless import Headless
 from gpumgr.manager.inbound import Inbound
 from gpumgr.manager.leading import Leading, NotLeader
 from gpumgr.manager.link import ManagerLink
@@ -84,6 +85,8 @@ class Manager:
         self._sweeper = threading.Thread(target=self._sweep_loop, name="sweeper", daemon=True)
         #: several managers: a follower checks in the background that its tenants match the leader's
         self._digests = DigestWatch(self) if shared else None
+        #: several managers: followers publish who asks them; a leader its agents cannot reach steps down
+        self.headless = Headless(self) if isinstance(self.plane, Replicated) else None
 
     def start(self) -> None:
         """Bind the agent link and start placing queued requests as room frees."""
@@ -294,6 +297,8 @@ class Manager:
 
     def sweep_once(self) -> None:
         """Mark silent nodes down, end what missed its deadline, and send what follows (leading only)."""
+        if self.headless is not None:  # before the zone rule: a leader cut off from its agents steps down
+            self.headless.tick()
         if not self.plane.is_leader:
             return
         down, commands = self.cluster.sweep()

@@ -7,14 +7,18 @@ Keys, under a prefix (``/gpumgr/`` by default) so several clusters can share one
 - ``queue/<id>``: one queued request (JSON); the queue's order is the keys' create revisions, which
   etcd hands out in the order the writes committed;
 - ``event_ids``: the highest event id reserved (JSON ``{"ceiling"}``);
-- ``generation`` and ``leader``: written by :mod:`gpumgr.manager.leadership`.
+- ``generation`` and ``leader``: written by :mod:`gpumgr.manager.leadership`;
+- ``asked/<manager>``: the nodes that asked that manager, a follower, to register, and when (JSON
+  ``{node: unix time}``; a node its follower does not know yet is ``key:<its public key>``), read by
+  the leader's :mod:`gpumgr.manager.headless` rule.
 
 Every write runs as one transaction whose compares are the caller's *guard* (the leader key still
 has the create revision of this manager's epoch, in this store's generation); when they fail the
 write did nothing, :class:`~gpumgr.manager.store.Fenced` is raised and ``on_fenced`` is told, so a
 leader that was deposed while paused or cut off changes nothing and steps down. The first creation
-of the join secret is the one unguarded write: it only ever creates the key (a compare on its absence),
+of the join secret is not guarded: it only ever creates the key (a compare on its absence),
 so any manager can print a token before a leader exists, and racing creators end with one secret.
+A follower's ``asked/<manager>`` is not guarded either: a plain put of its own note, not the cluster's state.
 """
 
 from __future__ import annotations
@@ -148,6 +152,24 @@ class EtcdStore(Store):
             if self.write([etcdv3.put(path, _dump({"ceiling": start + count - 1}))], [etcdv3.modified_at(path, seen)],
                           check=False):
                 return range(start, start + count)
+
+    # --- who asked followers to register (gpumgr.manager.headless) ---------------------------------
+    def publish_asks(self, manager: str, asks: dict[str, float]) -> None:
+        """Write ``asked/<manager>`` unfenced (a follower's own note), or delete it when ``asks`` is empty."""
+        path = self.key("asked", manager)
+        self.client.txn([], [etcdv3.put(path, _dump(asks)) if asks else etcdv3.delete(path)])
+
+    def asks(self) -> dict[str, dict[str, float]]:
+        """Every manager's ``asked/<manager>``: ``{manager: {node: unix time}}``; an unreadable one is skipped."""
+        start = len(self.key("asked", ""))
+        found: dict[str, dict[str, float]] = {}
+        for kv in self.client.get_prefix(self.key("asked", "")):
+            try:
+                found[kv.key[start:].decode(errors="replace")] = {
+                    str(who): float(at) for who, at in _load(kv.value, kv.key).items()}
+            except (ValueError, TypeError) as exc:
+                log.warning("%s; skipped", exc)
+        return found
 
     # --- writes --------------------------------------------------------------------------------
     def write(self, operations: list[dict[str, Any]], compares: list[dict[str, Any]] | None = None, *,

@@ -124,6 +124,12 @@ NODE_FORGET_AFTER = 24 * 3600.0
 #: unhealthyZoneThreshold, and its zone of more than two unready nodes).
 DISRUPTION_THRESHOLD = 0.55
 DISRUPTION_MIN_NODES = 3
+#: A leader that hears from fewer than half of the nodes it had for this long, while most of the silent ones ask
+#: other managers to register, is cut off from its agents but not from etcd: it steps down (see
+#: ``gpumgr.manager.headless``). Followers publish who asked them at most this often, and keep this many askers.
+HEADLESS_AFTER = 10.0
+ASKS_PUBLISH_INTERVAL = 2.0
+ASKS_KEPT = 4096
 #: A hook-granted container must show up in its node's reports within this long, or its grant is released.
 HOOK_CONFIRM = HOOK_WAIT + 3 * HEARTBEAT_INTERVAL
 
