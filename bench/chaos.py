@@ -124,7 +124,7 @@ def figures(history: History, outcomes: list[Outcome], shares: list[float], whol
         "episodes": len(outcomes), "by_schedule": {n: sum(o.schedule.name == n for o in outcomes) for n in TEMPLATES},
         "calls": len(calls), "faulted_calls": len(calls) - len(healthy),
         "created": len(history.created), "deleted": len(history.deleted),
-        "removed_anyway": sum(c.removed_anyway for c in calls), "answers": _answers(calls),
+        "answers": _answers(calls),
         "during_faults": _latency(inside), "outside_faults": _latency(others),
         "cpu_whole": whole, "cpu_max": max(shares, default=whole), "cpu_windows": len(shares),
         "settle_max": max((o.settled_in for o in outcomes), default=0.0), "problems": problems,
@@ -153,8 +153,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
     print(f"\n{result['episodes']} episodes ({kinds}); {result['calls']} calls ({result['faulted_calls']} involving a "
           f"faulted node), {result['created']} containers created, {result['deleted']} DELETE'd; slowest settle "
           f"{result['settle_max']:.1f}s after the load")
-    print("answers: " + ", ".join(f"{k} ×{n:,}" for k, n in result["answers"].items()) +
-          f"; DELETEs answered 409 that removed their container all the same: {result['removed_anyway']}")
+    print("answers: " + ", ".join(f"{k} ×{n:,}" for k, n in result["answers"].items()))
     table([("calls to healthy nodes", "34"), ("n", "7,d"), ("p50 ms", "8.1f"), ("p99 ms", "8.1f"), ("max ms", "8.1f")],
           [(name, f["n"], f["p50"] * 1000, f["p99"] * 1000, f["max"] * 1000)
            for name, f in (("during faults", during), ("outside faults", outside))])

@@ -171,11 +171,15 @@ class Lifecycle:
         record.finished_at = finished_at or record.finished_at or self.clock.time()
         op = record.op
         if op is not None:
-            # a record that failed while an operation waited failed on its node (502), whatever noticed it first;
-            # the error is made only if someone asks (see Op.finish)
             record.op = None
-            op.finish(error or (AgentFailed if to is FAILED else Conflict, ended_text, record.id, to,
-                                record.reason))
+            if op.kind is OpKind.REMOVE and to in (REMOVED, PREEMPTED) and error is None:
+                # its node's report showed it gone before the Remove's reply came: the removal did what it was asked
+                op.finish(None)
+            else:
+                # a record that failed while an operation waited failed on its node (502), whatever noticed it
+                # first; the error is made only if someone asks (see Op.finish)
+                op.finish(error or (AgentFailed if to is FAILED else Conflict, ended_text, record.id, to,
+                                    record.reason))
         self.ledger.ended(record)
         self._final_event(record)
         return True

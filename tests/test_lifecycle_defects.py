@@ -410,3 +410,21 @@ def test_a_create_lost_with_its_agent_process_fails_as_the_agent_s_failure(tmp_p
         world.answer(create, apply=False, lose=True)
     assert world.cluster.get(cid).state is State.FAILED
     world.sound()
+
+
+def test_a_delete_whose_container_a_heartbeat_shows_gone_before_the_reply_ends_without_error(tmp_path):
+    """The chaos suite's find: the heartbeat overtook the Remove's reply, the record ended ``removed``, and the
+    waiting DELETE answered 409 "container removed: removed on request"."""
+    world = World(tmp_path)
+    cid = world.post(4 * GiB)
+    world.answer(world.held(protocol.Create)[0])
+    world.delete(cid)
+    (remove,) = world.held(protocol.Remove)
+    op = world.cluster.get(cid).op
+    held = world.link.held.pop(remove)
+    world.agents[0].apply(held.message)  # done on the node; its reply is still on the way
+    world.agents[0].heartbeat()  # the heartbeat comes first and no longer shows it
+    assert world.cluster.get(cid).state is State.REMOVED
+    assert op is not None and op.ended and op.error is None  # the DELETE did what it was asked
+    held.future.set_result(protocol.Reply(ok=True))  # the late reply changes nothing
+    world.sound()

@@ -64,11 +64,6 @@ ALLOWED = {
     ("POST", True): {201, 409, 502, 503, 504}, ("DELETE", True): {200, 202, 502, 503, 504},
     ("PATCH", True): {200, 409, 502, 503, 504},
 }
-#: A known defect, tolerated so that it cannot hide others: when a node's report that the container is gone
-#: reaches the manager before the reply to its Remove (a heartbeat overtaking the reply, or a reply lost in a
-#: cut), the record ends under the operation, which then fails with a conflict, and the DELETE that removed
-#: the container answers 409 "... removed: removed on request". Such a call counts as a DELETE that removed it.
-REMOVED_ANYWAY = 409
 #: a container that ends at once on SIGTERM (a shell as PID 1 ignores the signals it has no trap for)
 COMMAND = ["sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"]
 SIZES = (GiB, 2 * GiB)
@@ -409,12 +404,8 @@ class Call:
     end: float
     status: int  # 0: no answer (the client's own timeout, a refused connection)
     detail: str = ""
-    #: a DELETE answered otherwise whose record had ended when asked right after (see REMOVED_ANYWAY)
+    #: a DELETE answered otherwise (its node faulted) whose record had ended when asked right after
     removed: bool = False
-
-    @property
-    def removed_anyway(self) -> bool:
-        return self.removed and self.status == REMOVED_ANYWAY and "removed on request" in self.detail
 
     @property
     def took(self) -> float:
@@ -555,7 +546,7 @@ def call_summary(calls: Sequence[Call], history: History) -> str:
     slowest: Call | None = None
     for call in calls:
         faulted = history.faulted(call.node, call.start, call.end)
-        counts[(faulted, call.method, "409-removed-anyway" if call.removed_anyway else call.status)] += 1
+        counts[(faulted, call.method, call.status)] += 1
         if not faulted and (slowest is None or call.took > slowest.took):
             slowest = call
     parts = [f"{'faulted' if f else 'healthy'} {m} {s}×{n}" for (f, m, s), n in sorted(counts.items(), key=str)]
@@ -568,7 +559,7 @@ def call_problems(calls: Sequence[Call], history: History, limit: float | None =
     found = []
     for call in calls:
         faulted = history.faulted(call.node, call.start, call.end)
-        if call.status not in ALLOWED[(call.method, faulted)] and not call.removed_anyway:
+        if call.status not in ALLOWED[(call.method, faulted)]:
             found.append(f"{'faulted' if faulted else 'healthy'} node: {call}")
         elif limit is not None and not faulted and call.took > limit:
             found.append(f"a call to a healthy node took over {limit:g}s: {call}")
