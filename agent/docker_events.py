@@ -66,10 +66,13 @@ class EngineEvents(Runtime):
         if action == "start":
             with self._lock:
                 started = managed.state == State.CREATING
+                ended = managed.state not in (State.RUNNING, State.CREATING)
                 if started:
                     managed.state = State.RUNNING
             if started:
                 self._on_change(managed)  # a Swarm task's grant is running now, not at the next heartbeat
+            elif ended:
+                self._stop_restarted(managed)
         elif action == "die":
             code = event.get("Actor", {}).get("Attributes", {}).get("exitCode")
             self._exited(managed, int(code) if code is not None and str(code).isdigit() else None)
@@ -79,6 +82,21 @@ class EngineEvents(Runtime):
                 self._exited(managed, None)
             self._untrack(managed.grant)
 
+
+    def _stop_restarted(self, managed: Any) -> None:
+        """A container whose grant ended with its exit was started again behind gpumgr (``docker restart``, or
+        ``docker start``): its grant is gone, so it may not hold GPU memory. It is killed (kept, as it ended),
+        on a thread of its own so the event stream is never held up."""
+        log.warning("container %s of ended grant %s was started again outside gpumgr: it has no grant, so it is "
+                    "stopped (ask gpumgr for a new one instead)", managed.container_id[:12], managed.grant)
+        threading.Thread(target=self._kill_quietly, args=(managed.container_id,), name="stop-restarted",
+                         daemon=True).start()
+
+    def _kill_quietly(self, container_id: str) -> None:
+        try:
+            self.client.api.kill(container_id)
+        except docker.errors.APIError as exc:  # it stopped by itself meanwhile, or is gone
+            log.info("could not stop restarted container %s: %s", container_id[:12], exc.explanation)
 
     def _resync(self) -> None:
         """Compare every managed container with the engine's list and report what changed unseen."""
@@ -91,6 +109,8 @@ class EngineEvents(Runtime):
             if managed.state in (State.RUNNING, State.CREATING) and state not in ("running", "created"):
                 log.info("container %s ended while the event stream was down", managed.container_id[:12])
                 self._exited(managed, exit_code_of(summary) if summary is not None else None)
+            elif managed.state not in (State.RUNNING, State.CREATING) and state == "running":
+                self._stop_restarted(managed)
             elif managed.state == State.CREATING and state == "running":
                 # its start event was missed: it runs, so its grant is enforced and reported running from now
                 with self._lock:

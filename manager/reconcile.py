@@ -270,6 +270,8 @@ class Reconciler:
             elif record.state in (State.FAILED, State.REMOVED, State.EXPIRED, State.PREEMPTED) and \
                     report.state in LIVE:
                 orphans.append(report.grant)
+            elif report.state in LIVE and self._restarted(record):
+                orphans.append(report.grant)  # it ended and runs again (docker restart): its grant is gone
             else:
                 record.gpu_memory_peak = max(record.gpu_memory_peak, report.peak)
         records = self.ledger.records
@@ -281,6 +283,13 @@ class Reconciler:
         orphans += [report.grant for report in unknown if not self._adopt(node, report)]
         commands = [c for r in self._unsettled(node.name) if (c := self.follow_up(r)) is not None]
         return orphans, commands
+
+    def _restarted(self, record: Container) -> bool:
+        """Whether ``record`` exited (or was killed) long enough ago that its node reporting it live means it
+        was started again behind gpumgr, not a heartbeat built before the exit."""
+        ended = record.finished_at
+        return record.state in (State.EXITED, State.KILLED) and ended is not None and \
+            self.clock.time() - ended > self.down_after
 
     def _unsettled(self, name: str) -> list[Container]:
         """``name``'s live records that may need a follow-up: not as desired, or enforced at another figure."""

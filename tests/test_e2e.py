@@ -196,3 +196,21 @@ def test_several_agents_place_by_free_memory_across_nodes(tmp_path, manager, tes
         large.stop()
     labels = {c.labels["gpumgr.node"] for c in docker_client.containers.list(filters={"label": "gpumgr.grant"})}
     assert {"node-small", "node-large"} <= labels
+
+
+def test_a_container_restarted_behind_gpumgr_after_its_exit_is_stopped(manager, docker_agent, docker_client,
+                                                                        test_image):
+    """``docker restart`` of an exited container once ran it on with no live grant, forever (found by the chaos
+    suite): its agent ignored a start of an ended grant's container, and never reported it again."""
+    # exits at once the first time; run again, it would run for an hour
+    once = "if [ -f /tmp/ran ]; then sleep 3600; fi; touch /tmp/ran"
+    body = {"gpu_memory": "1GiB", "image": test_image, "command": ["sh", "-c", once]}
+    record = manager.post("/v1/containers", json=body).json()
+    wait_for(lambda: manager.get(f"/v1/containers/{record['id']}").json()["state"] == "exited", 20,
+             what="the container's exit")
+    docker_client.api.restart(record["container_id"], timeout=1)
+    running = {"label": f"gpumgr.grant={record['id']}", "status": "running"}
+    wait_for(lambda: not docker_client.containers.list(filters=running), 10,
+             what="the restarted container to be stopped")
+    assert manager.get(f"/v1/containers/{record['id']}").json()["state"] == "exited"
+    assert docker_client.containers.list(all=True, filters={"label": f"gpumgr.grant={record['id']}"})  # kept

@@ -428,3 +428,23 @@ def test_a_delete_whose_container_a_heartbeat_shows_gone_before_the_reply_ends_w
     assert op is not None and op.ended and op.error is None  # the DELETE did what it was asked
     held.future.set_result(protocol.Reply(ok=True))  # the late reply changes nothing
     world.sound()
+
+
+def test_a_container_restarted_behind_gpumgr_after_its_exit_is_removed_not_left_without_a_grant(tmp_path):
+    """The chaos suite's second find: ``docker restart`` of an exited container ran on with no live grant, forever
+    (only failed, removed, expired and preempted records' running containers were orphans)."""
+    world = World(tmp_path)
+    cid = world.post(4 * GiB)
+    world.answer(world.held(protocol.Create)[0])
+    agent = world.agents[0]
+    agent.exit(cid, 0)
+    assert world.cluster.get(cid).state is State.EXITED and world.reserved() == 0
+    box = agent.engine[cid]
+    box.state, box.exit_code, box.ended_at = "running", None, None  # restarted outside gpumgr
+    agent.heartbeat()
+    assert cid in agent.engine  # a heartbeat built before the exit may still say running: not at once
+    world.clock.advance(world.cluster.down_after + 1)
+    agent.heartbeat()
+    assert cid not in agent.engine  # it holds GPU memory with no grant: removed as an orphan
+    assert world.cluster.get(cid).state is State.EXITED  # its record keeps how it ended
+    world.sound()
