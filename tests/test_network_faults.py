@@ -136,3 +136,28 @@ def test_a_delete_for_a_node_that_went_silent_answers_202_and_runs_when_it_retur
     wait_for(lambda: client.get(f"/v1/containers/{record['id']}").json["state"] == "removed", 5,
              what="its record to end")
     assert model_violations(manager, engines(a, b)) == []
+
+
+def test_a_join_against_a_slow_store_never_holds_up_another_nodes_commands(stack, monkeypatch) -> None:
+    """Every Join reads the join secret from the store (etcd with several managers), and any CURVE peer may
+    send Joins: on the link's thread, a slow store stalled every node. The store is made slow here."""
+    manager, client, add_agent = stack
+    add_agent("a")
+    newcomer = FakeAgent(manager.link.bound_endpoint, manager.admission.token(), node="late")
+    read = manager.admission.store.join_secret
+
+    def slow_secret() -> str:
+        time.sleep(3)
+        return read()
+
+    monkeypatch.setattr(manager.admission.store, "join_secret", slow_secret)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            joining = pool.submit(newcomer.join)
+            time.sleep(0.2)
+            placed, took = _timed(pool, lambda: client.post("/v1/containers", json={
+                "gpu_memory": "1GiB", "image": "img", "node": "a"}), HEALTHY_CALL + 3)
+            assert placed.status_code == 201 and took < HEALTHY_CALL, (placed.json, took)
+            assert joining.result(10).ok  # and the slow join is still answered
+    finally:
+        newcomer.close()
