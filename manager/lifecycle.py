@@ -172,8 +172,10 @@ class Lifecycle:
         op = record.op
         if op is not None:
             record.op = None
-            if op.kind is OpKind.REMOVE and to in (REMOVED, PREEMPTED) and error is None:
-                # its node's report showed it gone before the Remove's reply came: the removal did what it was asked
+            if op.kind is OpKind.REMOVE and error is None and (to in (REMOVED, PREEMPTED) or (
+                    to in (EXITED, KILLED) and record.desired is not RUNNING)):
+                # its node's report showed it gone (or stopped) before the Remove's reply came: the removal did
+                # what it was asked
                 op.finish(None)
             else:
                 # a record that failed while an operation waited failed on its node (502), whatever noticed it

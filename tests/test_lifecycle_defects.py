@@ -448,3 +448,30 @@ def test_a_container_restarted_behind_gpumgr_after_its_exit_is_removed_not_left_
     assert cid not in agent.engine  # it holds GPU memory with no grant: removed as an orphan
     assert world.cluster.get(cid).state is State.EXITED  # its record keeps how it ended
     world.sound()
+
+
+def test_a_delete_whose_container_exits_before_the_remove_is_answered_ends_without_error(tmp_path):
+    """The stop the Remove asked for is reported first (an exit event): the DELETE once answered 409 "exited"."""
+    world = World(tmp_path)
+    cid = world.post(4 * GiB)
+    world.answer(world.held(protocol.Create)[0])
+    world.delete(cid)
+    (remove,) = world.held(protocol.Remove)
+    op = world.cluster.get(cid).op
+    world.agents[0].exit(cid, 0)  # stopped by the removal; the reply is still on the way
+    assert world.cluster.get(cid).state is State.EXITED
+    assert op is not None and op.ended and op.error is None
+    world.answer(remove)
+    world.sound()
+
+
+def test_a_container_that_exits_by_itself_while_a_resize_waits_still_fails_that_resize(tmp_path):
+    """Only a removal is done by its container's end: another operation still learns it could not happen."""
+    world = World(tmp_path)
+    cid = world.post(4 * GiB)
+    world.answer(world.held(protocol.Create)[0])
+    _, command = world.cluster.begin_resize(cid, 2 * GiB)
+    assert command is not None
+    world.manager.send([command])
+    world.agents[0].exit(cid, 3)
+    assert command.op.ended and command.op.error is not None

@@ -29,14 +29,13 @@ from tests.chaos.harness import (
     TEMPLATES,
     ChaosStack,
     History,
-    Scripted,
-    ScriptedFleet,
     call_summary,
     run_schedule,
     run_seed,
     say,
     schedule,
 )
+from tests.chaos.scripted import Scripted, ScriptedFleet
 
 SEED = run_seed()
 SCRIPTED = 4
