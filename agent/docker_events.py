@@ -66,7 +66,7 @@ class EngineEvents(Runtime):
         if action == "start":
             with self._lock:
                 started = managed.state == State.CREATING
-                ended = managed.state not in (State.RUNNING, State.CREATING)
+                ended = managed.state in (State.EXITED, State.KILLED)
                 if started:
                     managed.state = State.RUNNING
             if started:
@@ -109,7 +109,7 @@ class EngineEvents(Runtime):
             if managed.state in (State.RUNNING, State.CREATING) and state not in ("running", "created"):
                 log.info("container %s ended while the event stream was down", managed.container_id[:12])
                 self._exited(managed, exit_code_of(summary) if summary is not None else None)
-            elif managed.state not in (State.RUNNING, State.CREATING) and state == "running":
+            elif managed.state in (State.EXITED, State.KILLED) and state == "running":
                 self._stop_restarted(managed)
             elif managed.state == State.CREATING and state == "running":
                 # its start event was missed: it runs, so its grant is enforced and reported running from now
