@@ -86,6 +86,9 @@ def test_a_delete_after_a_blip_is_carried_out_and_never_wedges_the_link(stack) -
     commands = [m for m in a.received if isinstance(m, protocol.Create | protocol.Remove)]
     assert len(commands) == 2 and all(m.op for m in commands)  # each names its operation, for the agent's dedupe
     assert len({m.op for m in commands}) == 2
+    metrics = client.get("/metrics").get_data(as_text=True)
+    lag = next(line for line in metrics.splitlines() if line.startswith("gpumgr_link_loop_lag_seconds "))
+    assert float(lag.split()[1]) < 1.0  # the loop kept polling all along
     assert model_violations(manager, engines(a, b)) == []
 
 
