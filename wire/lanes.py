@@ -23,8 +23,6 @@ from gpumgr.wire import defaults
 log = logging.getLogger(__name__)
 
 _STOP = object()
-#: One piece of work: the sender's key, the callable, its arguments, and whether it may be dropped.
-Item = tuple[bytes, Callable[..., None], tuple[Any, ...], bool]
 
 
 class Lanes:
@@ -64,31 +62,19 @@ class Lanes:
 
     def submit(self, key: bytes, work: Callable[..., None], *args: Any, bounded: bool = True) -> bool:
         """Queue ``work(*args)`` on ``key``'s lane; False (dropped) if ``bounded`` and ``key`` has too much waiting."""
-        return not self.submit_all([(key, work, args, bounded)])
-
-    def submit_all(self, items: list[Item]) -> list[Item]:
-        """Queue each ``(key, work, args, bounded)`` as :meth:`submit` does, in order, with one hand-off per lane
-        for all of them (waking a lane costs more than its work on a heartbeat); returns those dropped."""
-        dropped: list[Item] = []
-        batches: dict[int, list[Item]] = {}
         with self._lock:
-            for item in items:
-                key, _, _, bounded = item
-                waiting = self._waiting.get(key, 0)
-                if bounded and waiting >= self.per_key:
-                    self.dropped += 1
-                    dropped.append(item)
-                    continue
-                self._waiting[key] = waiting + 1
-                lane = self._lane_of.get(key)
-                if lane is None:  # nothing of its waits anywhere: it may go where the least waits
-                    lane = self._lane_of[key] = min(range(len(self._load)), key=self._load.__getitem__)
-                self._load[lane] += 1
-                batches.setdefault(lane, []).append(item)
+            waiting = self._waiting.get(key, 0)
+            if bounded and waiting >= self.per_key:
+                self.dropped += 1
+                return False
+            self._waiting[key] = waiting + 1
+            lane = self._lane_of.get(key)
+            if lane is None:  # nothing of its waits anywhere: it may go where the least waits
+                lane = self._lane_of[key] = min(range(len(self._load)), key=self._load.__getitem__)
+            self._load[lane] += 1
             # queued under the lock: two submits of one sender reach its lane in the order they were made
-            for lane, batch in batches.items():
-                self._queues[lane].put(batch)
-        return dropped
+            self._queues[lane].put((key, work, args))
+        return True
 
     def backlog(self) -> int:
         """Items waiting in every lane together."""
@@ -97,16 +83,16 @@ class Lanes:
 
     def _work(self, q: queue.SimpleQueue[Any]) -> None:
         while True:
-            batch = q.get()
-            if batch is _STOP:
+            item = q.get()
+            if item is _STOP:
                 return
-            for key, work, args, _ in batch:
-                try:
-                    work(*args)
-                except Exception:  # one bad message must never stop the lane
-                    log.exception("handling a message from %r failed", key[:16])
-                finally:
-                    self._done(key)
+            key, work, args = item
+            try:
+                work(*args)
+            except Exception:  # one bad message must never stop the lane
+                log.exception("handling a message from %r failed", key[:16])
+            finally:
+                self._done(key)
 
     def _done(self, key: bytes) -> None:
         with self._lock:

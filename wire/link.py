@@ -42,7 +42,7 @@ import zmq
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.errors import AgentTimeout, NoAgents, ProtocolError
-from gpumgr.wire.lanes import Item, Lanes
+from gpumgr.wire.lanes import Lanes
 from gpumgr.wire.link_parts import (
     Configure,
     Handler,
@@ -101,8 +101,6 @@ class Link:
         self._own_lanes = lanes is None
         self.lanes = lanes if lanes is not None else Lanes(1, name=f"{name}-work")
         self._parking = Parking()
-        #: what the owner thread hands the lanes, in one batch per loop (waking a lane costs more than a heartbeat)
-        self._handoff: list[Item] = []
         self._park_for = park_for
         #: the longest time the owner spent between two polls since :meth:`take_lag` last read it
         self._lag = 0.0
@@ -271,7 +269,6 @@ class Link:
             self._expire()
             self._move()
             self._flush()
-            self._hand_off()
 
     def _note_lag(self, busy: float) -> None:
         """The owner was away from its poll for ``busy`` seconds: keep the longest, warn when it is too long."""
@@ -449,20 +446,7 @@ class Link:
                   error: Exception | None = None) -> None:
         """Resolve ``pending``'s future on its sender's lane, never on the owner thread (callbacks run there)."""
         lane = pending.key.encode() if pending.key else pending.peer
-        if threading.current_thread() is self._thread:
-            self._handoff.append((lane, resolve_future, (pending.future, reply, error), False))
-        else:
-            self.lanes.submit(lane, resolve_future, pending.future, reply, error, bounded=False)
-
-    def _hand_off(self) -> None:
-        """Give the lanes what this loop received and resolved; log what a flooding sender had dropped."""
-        if not self._handoff:
-            return
-        items, self._handoff = self._handoff, []
-        for _, _, args, _ in self.lanes.submit_all(items):
-            peer, envelope = args[0], args[1]
-            log.warning("dropped %s from %r: %d of its messages wait already", envelope.type, peer.routing_id[:16],
-                        self.lanes.per_key)
+        self.lanes.submit(lane, resolve_future, pending.future, reply, error, bounded=False)
 
     def _drain(self, sock: zmq.Socket[bytes], key: bytes) -> bool:
         """Handle what has arrived, at most DRAIN_BATCH frames; True if more may wait.
@@ -500,7 +484,9 @@ class Link:
         if isinstance(message, protocol.Reply) and self._resolve(peer, envelope, message):
             return
         lane = peer.key.encode() if peer.key else peer.routing_id
-        self._handoff.append((lane, self._handler, (peer, envelope, message), True))
+        if not self.lanes.submit(lane, self._handler, peer, envelope, message):
+            log.warning("dropped %s from %r: %d of its messages wait already", envelope.type, peer.routing_id[:16],
+                        self.lanes.per_key)
 
     def _resolve(self, peer: Peer, envelope: protocol.Envelope, reply: protocol.Reply) -> bool:
         """Hand ``reply`` to the request waiting for it; False if none is (the handler then sees it)."""
