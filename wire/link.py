@@ -47,6 +47,7 @@ from gpumgr.wire.link_parts import (
     Configure,
     Handler,
     LinkHooks,
+    LoopLag,
     Peer,
     Pending,
     key_of,
@@ -103,8 +104,7 @@ class Link:
         self._parking = Parking()
         self._park_for = park_for
         #: the longest time the owner spent between two polls since :meth:`take_lag` last read it
-        self._lag = 0.0
-        self._lag_warned = 0.0
+        self._lag = LoopLag(name)
         self._pending: dict[str, Pending] = {}
         self._pending_lock = threading.Lock()
         self._wake_addr = f"inproc://gpumgr-{name}-{id(self)}"
@@ -163,8 +163,7 @@ class Link:
 
     def take_lag(self) -> float:
         """The longest gap between two polls since the last call (seconds): how late the link may have heard."""
-        lag, self._lag = self._lag, 0.0
-        return lag
+        return self._lag.take()
 
     def send(self, peer: bytes, message: protocol.Message, *, reply_to: str | None = None, key: str = "") -> None:
         """Queue ``message`` for ``peer`` (a routing id; ``b""`` on a DEALER); never blocks.
@@ -250,7 +249,7 @@ class Link:
         while not self._stop.is_set():
             if self._hooks.descriptors is not None:
                 watched = watch(poller, watched, self._hooks.descriptors())
-            self._note_lag(time.monotonic() - polled)
+            self._lag.note(time.monotonic() - polled)
             events = dict(poller.poll(max(0, int(wait * 1000)) + 1))
             polled = time.monotonic()
             if pull in events:
@@ -269,14 +268,6 @@ class Link:
             self._expire()
             self._move()
             self._flush()
-
-    def _note_lag(self, busy: float) -> None:
-        """The owner was away from its poll for ``busy`` seconds: keep the longest, warn when it is too long."""
-        if busy > self._lag:
-            self._lag = busy
-        if busy > defaults.LINK_LAG_WARN and time.monotonic() - self._lag_warned > 10 * defaults.LINK_LAG_WARN:
-            self._lag_warned = time.monotonic()
-            log.warning("the %s loop went %.2fs between two polls: frames waited that long", self._thread.name, busy)
 
     def _run_tick(self) -> float:
         if self._hooks.on_tick is None:
@@ -424,16 +415,12 @@ class Link:
     def _unpark(self, key: str) -> None:
         """``key`` spoke again: what waited for it leaves now, once, on its newest connection."""
         for index, item in enumerate(waiting := self._parking.take(key)):
-            if item.msg_id is not None and not self._is_pending(item.msg_id):
+            if item.msg_id is not None and item.msg_id not in self._pending:  # a dict read: atomic, no lock
                 continue  # its request ended meanwhile: it must not run unasked
             if not self._send_now(b"", item.frame, item.msg_id, key):
                 for rest in waiting[index + 1:]:  # still no way out: the rest wait behind it, in order
                     self._park(rest)
                 return
-
-    def _is_pending(self, msg_id: str) -> bool:
-        with self._pending_lock:
-            return msg_id in self._pending
 
     def _fail(self, msg_id: str, error: Exception) -> None:
         """A request whose frame could not leave fails at once instead of waiting out its timeout."""

@@ -6,13 +6,17 @@ so the loop reads as what it does.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import zmq
 
-from gpumgr.wire import protocol
+from gpumgr.wire import defaults, protocol
+
+log = logging.getLogger("gpumgr.wire.link")
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,25 @@ class LinkHooks:
     on_ready: Callable[[set[int]], None] | None = None
     on_stop: Callable[[], None] | None = None
     screen: Callable[[Peer, protocol.Envelope, protocol.Message], Exception | None] | None = None
+
+
+class LoopLag:
+    """The longest time a link's owner spent between two polls since it was last read; warns when too long."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.longest, self._warned = name, 0.0, 0.0
+
+    def note(self, busy: float) -> None:
+        """The owner was away from its poll for ``busy`` seconds."""
+        self.longest = max(self.longest, busy)
+        if busy > defaults.LINK_LAG_WARN and time.monotonic() - self._warned > 10 * defaults.LINK_LAG_WARN:
+            self._warned = time.monotonic()
+            log.warning("the %s loop went %.2fs between two polls: frames waited that long", self.name, busy)
+
+    def take(self) -> float:
+        """The longest gap since the last call, and start again."""
+        longest, self.longest = self.longest, 0.0
+        return longest
 
 
 def resolve_future(future: Future[protocol.Reply], reply: protocol.Reply | None, error: Exception | None) -> None:
