@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -144,3 +148,35 @@ class FakeAgent:
             result = {"grant": message.grant} if isinstance(message, protocol.Signal) else {
                 "frames": [] if done else [[1, b"hello\n"]], "since": "1.000000000", "skip": 1, "more": False}
             self.send(protocol.Reply(ok=True, result=result), reply_to=envelope.id)
+
+
+@contextmanager
+def scripted_stack(tmp: Path, **settings: Any) -> Iterator[tuple[Any, Any, Callable[..., FakeAgent]]]:
+    """An in-process manager on a real link (``settings`` over its defaults), its REST test client, and a
+    function that adds a registered scripted agent serving in the background; all stopped on exit."""
+    from gpumgr.manager.app import create_app
+    from gpumgr.manager.config import ManagerSettings
+    from gpumgr.manager.service import Manager
+
+    manager = Manager(ManagerSettings(agents="tcp://127.0.0.1:0", state_dir=str(tmp / "state"), **settings))
+    manager.start()
+    stop = threading.Event()
+    agents: list[FakeAgent] = []
+    threads: list[threading.Thread] = []
+
+    def add_agent(node: str = "fake", **kw: Any) -> FakeAgent:
+        agent = FakeAgent(manager.link.bound_endpoint, manager.admission.token(), node=node, **kw)
+        agent.register()
+        threads.append(agent.serve(stop))
+        agents.append(agent)
+        return agent
+
+    try:
+        yield manager, create_app(manager).test_client(), add_agent
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(2)
+        for agent in agents:
+            agent.close()
+        manager.stop()

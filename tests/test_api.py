@@ -11,34 +11,14 @@ from gpumgr.manager.app import create_app
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.service import Manager
 from gpumgr.wire.protocol import ContainerReport, Reregister
-from tests.fake_agent import FakeAgent, GiB
+from tests.fake_agent import FakeAgent, GiB, scripted_stack
 from tests.procs import wait_for
 
 
 @pytest.fixture
 def stack(tmp_path):
-    manager = Manager(ManagerSettings(agents="tcp://127.0.0.1:0", create_timeout=1.0, heartbeat_interval=0.2,
-                                      state_dir=str(tmp_path / "state")))
-    manager.start()
-    app = create_app(manager)
-    stop = threading.Event()
-    agents: list[FakeAgent] = []
-    threads: list[threading.Thread] = []
-
-    def add_agent(node: str = "fake", **kw) -> FakeAgent:
-        agent = FakeAgent(manager.link.bound_endpoint, manager.admission.token(), node=node, **kw)
-        agent.register()
-        threads.append(agent.serve(stop))
-        agents.append(agent)
-        return agent
-
-    yield manager, app.test_client(), add_agent
-    stop.set()
-    for thread in threads:
-        thread.join(2)
-    for agent in agents:
-        agent.close()
-    manager.stop()
+    with scripted_stack(tmp_path, create_timeout=1.0, heartbeat_interval=0.2) as parts:
+        yield parts
 
 
 def post(client, body, **kw):

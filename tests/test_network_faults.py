@@ -8,17 +8,13 @@ scripted agents, and end with the invariant.
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from gpumgr.manager.app import create_app
-from gpumgr.manager.config import ManagerSettings
-from gpumgr.manager.service import Manager
 from gpumgr.wire import protocol
-from tests.fake_agent import FakeAgent, GiB
+from tests.fake_agent import FakeAgent, GiB, scripted_stack
 from tests.invariant import model_violations
 from tests.procs import wait_for
 
@@ -28,28 +24,8 @@ HEALTHY_CALL = 2.0
 
 @pytest.fixture
 def stack(tmp_path):
-    manager = Manager(ManagerSettings(agents="tcp://127.0.0.1:0", create_timeout=2.0, remove_timeout=3.0,
-                                      heartbeat_interval=5.0, state_dir=str(tmp_path / "state")))
-    manager.start()
-    app = create_app(manager)
-    stop = threading.Event()
-    agents: list[FakeAgent] = []
-    threads: list[threading.Thread] = []
-
-    def add_agent(node: str, **kw) -> FakeAgent:
-        agent = FakeAgent(manager.link.bound_endpoint, manager.admission.token(), node=node, **kw)
-        agent.register()
-        threads.append(agent.serve(stop))
-        agents.append(agent)
-        return agent
-
-    yield manager, app.test_client(), add_agent
-    stop.set()
-    for thread in threads:
-        thread.join(2)
-    for agent in agents:
-        agent.close()
-    manager.stop()
+    with scripted_stack(tmp_path, create_timeout=2.0, remove_timeout=3.0, heartbeat_interval=5.0) as parts:
+        yield parts
 
 
 def _timed(pool: ThreadPoolExecutor, call, limit: float):
