@@ -259,10 +259,11 @@ class Inbound:
 
     @staticmethod
     def grant_reply(record: Container) -> protocol.Reply:
-        """What a runtime hook is told of its grant."""
+        """What a runtime hook is told of its grant; its tenant too, which the agent keeps with the grant, so a
+        restarted manager re-adopts it as that tenant's."""
         return protocol.Reply(ok=True, result={"grant": record.id, "gpus": record.gpus, "gpu_memory": record.gpu_memory,
                                                "on_overrun": record.on_overrun, "priority": record.priority,
-                                               "preemptible": record.preemptible})
+                                               "preemptible": record.preemptible, "tenant": record.tenant or ""})
 
     def _remove_orphans(self, peer: Peer, grants: list[str]) -> None:
         for grant in grants:

@@ -13,7 +13,7 @@ import pytest
 from gpumgr.agent.hook_limits import HookLimits
 from gpumgr.plugin.hook import ask_agent
 from gpumgr.wire.protocol import Reserve
-from tests.procs import AgentProc
+from tests.procs import AgentProc, wait_for
 from tests.test_tenants import operator_manager, write_config
 
 GiB = 1 << 30
@@ -49,5 +49,28 @@ def test_a_plain_run_acts_for_the_hook_tenant_at_priority_zero(tmp_path, docker_
     finally:
         plain.remove(force=True)
         task.remove(force=True)
+        agent.stop()
+        manager.stop()
+
+
+def test_a_hook_grant_keeps_its_tenant_across_a_manager_restart(tmp_path, docker_client, test_image,
+                                                                cleanup_containers):
+    """The grant reply carried no tenant, and the agent took the tenant from it: after any restart a
+    ``hook_tenant`` node's grants were re-adopted as the operator's, out of the tenant's quota and views."""
+    config = write_config(tmp_path / "manager.yaml")
+    manager = operator_manager(tmp_path, config)
+    agent = AgentProc(tmp_path, manager, "hook-tenant-node", env={"GPUMGR_HOOK_TENANT": "alice"})
+    plain = docker_client.containers.create(test_image, ["sleep", "60"], network_mode="none",
+                                            environment={"GPUMGR_REQUEST_MEMORY": "1GiB"})
+    try:
+        grant = ask_agent(reserve(plain.id), agent.hook_socket)["grant"]
+        assert manager.get(f"/v1/containers/{grant}").json()["tenant"] == "alice"
+        manager.stop()
+        manager = operator_manager(tmp_path, config, api_port=manager.api_port, agent_port=manager.agent_port)
+        record = wait_for(lambda: (r := manager.get(f"/v1/containers/{grant}")).ok and r.json(), 30,
+                          what="the hook grant re-adopted by the restarted manager")
+        assert record["tenant"] == "alice", record
+    finally:
+        plain.remove(force=True)
         agent.stop()
         manager.stop()
