@@ -109,7 +109,7 @@ class Inbound:
         elif isinstance(message, protocol.Register | protocol.Heartbeat):
             self.link.send(peer.routing_id, protocol.Refused(code=code, message=text), reply_to=envelope.id,
                            key=peer.key)
-            asks = getattr(self.manager, "headless", None)
+            asks = self.manager.headless
             if asks is not None:  # the node its proven key is bound to, never the one the message claims
                 asks.asked(peer.key, self.manager.admission.node_of(peer.key))
 
