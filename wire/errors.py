@@ -94,10 +94,26 @@ class AgentFailed(GpumgrError):
 
 
 class AgentTimeout(GpumgrError):
-    """The agent did not answer in time; the grant was released and any late result is undone."""
+    """The link's own timeout: a peer did not answer a request in time.
+
+    It never reaches a REST client: what it means there is :class:`OutcomeUnknown` (the request went out
+    and nobody knows whether it ran).
+    """
 
     code = "agent_timeout"
     status = 504
+
+
+class OutcomeUnknown(GpumgrError):
+    """Nobody knows whether the request took effect: it was sent, and no answer came (a timeout, leadership
+    lost, a forwarded call whose leader went away).
+
+    Never retry blindly: look first (``GET /containers/<name>``), or resend with the same ``Idempotency-Key``,
+    which runs it at most once.
+    """
+
+    code = "outcome_unknown"
+    status = 502
 
 
 class RuntimeFailure(GpumgrError):
