@@ -29,7 +29,7 @@ from gpumgr.manager.ha import Solo
 from gpumgr.manager.leadership import LEASE_TTL
 from gpumgr.manager.leading import NoLeader, NoQuorum
 from gpumgr.wire import defaults
-from gpumgr.wire.errors import AgentFailed
+from gpumgr.wire.errors import OutcomeUnknown
 
 if TYPE_CHECKING:
     from gpumgr.manager.service import Manager
@@ -44,7 +44,7 @@ RETRY_AFTER = 1
 #: Marks a call one manager forwarded to another: it is never forwarded again (no loops).
 FORWARDED = "X-Gpumgr-Forwarded"
 #: Request headers that travel to the leader (the leader checks the token itself).
-PASSED = ("Authorization", "Content-Type", "Accept", "If-None-Match", "User-Agent")
+PASSED = ("Authorization", "Content-Type", "Accept", "If-None-Match", "User-Agent", "Idempotency-Key")
 #: Answer headers that travel back.
 RETURNED = ("Content-Type", "ETag", "Retry-After", "Location", "WWW-Authenticate", "Cache-Control")
 POLL = 0.05
@@ -88,10 +88,11 @@ def _forward(api: str) -> Response | None:
         if _never_sent(exc):
             log.info("the leader's API at %s is not reachable (%s); waiting for a leader", api, exc)
             return None
-        raise AgentFailed(f"the call was forwarded to the leader at {api}, which went away before answering; "
-                          "it may have been carried out: look before sending it again") from exc
+        raise OutcomeUnknown(f"the call was forwarded to the leader at {api}, which went away before answering; "
+                             "it may have been carried out: look before sending it again") from exc
     except requests.RequestException as exc:
-        raise AgentFailed(f"the call was forwarded to the leader at {api}, which did not answer: {exc}") from exc
+        raise OutcomeUnknown(f"the call was forwarded to the leader at {api}, which did not answer ({exc}); it may "
+                             "have been carried out: look before sending it again") from exc
     response = Response(stream_with_context(_body(answer)), status=answer.status_code)
     for name in RETURNED:
         if name in answer.headers:
