@@ -189,7 +189,8 @@ class GuardServer:
 def build_guard(settings: Any) -> Guard:
     """A guard from the agent's settings (``guard_*``, ``hook_max_*``)."""
     policy = gpudev.Policy(majors=gpudev.gpu_majors(), hook_max_priority=settings.hook_max_priority,
-                           hook_max_memory=settings.hook_max_memory)
+                           hook_max_memory=settings.hook_max_memory,
+                           cap_add=frozenset(settings.policy.cap_add if settings.policy else ()))
     state = GuardState(Path(settings.guard_state) if settings.guard_state else None)
     state.load()
     return Guard(policy, state, frozenset(settings.guard_allow))

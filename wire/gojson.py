@@ -49,6 +49,8 @@ class Slice:
     """A Go slice of ``item``."""
 
     item: Any
+    #: a lone string is a slice of one and a repeated key replaces the whole (Go's ``strslice.StrSlice``)
+    lone: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,8 @@ def _map(current: dict[str, Any], value: Any, schema: Map) -> dict[str, Any]:
 
 
 def _slice(current: list[Any], value: Any, schema: Slice) -> list[Any]:
+    if schema.lone:
+        return [into(None, value, schema.item)] if isinstance(value, str) else _slice([], value, Slice(schema.item))
     if not isinstance(value, list) or isinstance(value, _Pairs):
         raise BodyError(f"an array was expected, not {_kind(value)}")
     # Go decodes element i into the element already at i (a struct keeps the fields the new one omits)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpumgr.wire import privilege
 from gpumgr.wire.gojson import ANY, BOOL, STR, Map, Slice, Struct
 from gpumgr.wire.names import LABEL_PREFIX, Env
 
@@ -52,7 +53,7 @@ RESOURCES = {
                                     "Capabilities": Slice(Slice(STR)), "Options": Map(STR)})),
 }
 HOST_FIELDS = {"Binds": Slice(STR), "Privileged": BOOL, "Runtime": STR, "Mounts": Slice(MOUNT),
-               "VolumesFrom": Slice(STR), **RESOURCES}
+               "VolumesFrom": Slice(STR), "CapAdd": Slice(STR, lone=True), "SecurityOpt": Slice(STR), **RESOURCES}
 HOST_CONFIG = Struct(HOST_FIELDS)
 CONFIG_FIELDS = {"Image": STR, "Env": Slice(STR), "Labels": Map(STR)}
 #: ``POST /containers/create``: Config and the legacy HostConfig fields at the top, HostConfig inside.
@@ -63,7 +64,9 @@ UPDATE = Struct(dict(RESOURCES))
 EXEC = Struct({"Privileged": BOOL})
 #: ``POST /services/create`` and ``/services/{id}/update``
 SERVICE = Struct({"TaskTemplate": Struct({
-    "ContainerSpec": Struct({**CONFIG_FIELDS, "Mounts": Slice(MOUNT)}),
+    "ContainerSpec": Struct({**CONFIG_FIELDS, "Mounts": Slice(MOUNT), "CapabilityAdd": Slice(STR),
+                             "Privileges": Struct({"Seccomp": Struct({"Mode": STR, "Profile": STR}),
+                                                   "AppArmor": Struct({"Mode": STR})})}),
     "PluginSpec": Struct({"Name": STR, "Remote": STR}), "Runtime": STR,
     "Resources": Struct({"Reservations": Struct({"GenericResources": Slice(Struct({
         "NamedResourceSpec": Struct({"Kind": STR, "Value": STR}),
@@ -82,6 +85,8 @@ class Policy:
     hook_max_priority: int = 0
     #: the most ``GPUMGR_REQUEST_MEMORY`` it may ask (bytes); None: no limit beyond the manager's
     hook_max_memory: int | None = None
+    #: capabilities a create or service may add: the node's ``policy.cap_add`` (ALL, SYS_ADMIN only by name)
+    cap_add: frozenset[str] = frozenset()
     guarded: tuple[str, ...] = GUARDED
 
 
@@ -120,6 +125,8 @@ def create_reasons(create: dict[str, Any], policy: Policy, *, granted: bool = Fa
         reasons.append(f"HostConfig.Runtime {runtime!r} is not a plain runtime (it may add GPUs)")
     reasons += devices_reasons(host.get("Devices"), policy)
     reasons += rules_reasons(host.get("DeviceCgroupRules"), policy)
+    reasons += privilege.cap_reasons(host.get("CapAdd"), "HostConfig.CapAdd", policy.cap_add)
+    reasons += privilege.security_opt_reasons(host.get("SecurityOpt"), host.get("CapAdd"), "HostConfig.SecurityOpt")
     reasons += binds_reasons(host.get("Binds"), policy)
     reasons += mounts_reasons(host.get("Mounts"), "HostConfig.Mounts", policy)
     return reasons
@@ -150,7 +157,8 @@ def service_reasons(spec: dict[str, Any], policy: Policy) -> list[str]:
     container = template.get("ContainerSpec") or {}
     reasons = [*env_reasons(container.get("Env"), "TaskTemplate.ContainerSpec.Env", policy),
                *label_reasons(container.get("Labels"), "TaskTemplate.ContainerSpec.Labels"),
-               *mounts_reasons(container.get("Mounts"), "TaskTemplate.ContainerSpec.Mounts", policy)]
+               *mounts_reasons(container.get("Mounts"), "TaskTemplate.ContainerSpec.Mounts", policy),
+               *privilege.service_privilege_reasons(container, "TaskTemplate.ContainerSpec", policy.cap_add)]
     if template.get("PluginSpec") is not None or (template.get("Runtime") or "").lower() == "plugin":
         reasons.append("TaskTemplate.PluginSpec installs an engine plugin on every node")
     generic = ((template.get("Resources") or {}).get("Reservations") or {}).get("GenericResources") or []
