@@ -17,6 +17,7 @@ from typing import Any
 from gpumgr.manager.clock import SYSTEM, Clock
 from gpumgr.manager.dispatch import Dispatch, request_for, take_slots
 from gpumgr.manager.events import EventLog
+from gpumgr.manager.intents import KEPT
 from gpumgr.manager.ledger import Ledger
 from gpumgr.manager.lifecycle import ENDED, Lifecycle, placed_text
 from gpumgr.manager.queue import QueueJournal, WaitQueue
@@ -30,14 +31,14 @@ from gpumgr.manager.tenants import Tenant, TenantBook
 from gpumgr.manager.views import MapReads
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.errors import (
-    AgentTimeout,
     Conflict,
     NoAgents,
     NoFit,
     NotFound,
+    OutcomeUnknown,
     QuotaExceeded,
 )
-from gpumgr.wire.names import CREATING, QUEUED, EventType, State
+from gpumgr.wire.names import CREATING, LIVE, QUEUED, EventType, State
 from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuSample, RefusedAdoption
 from gpumgr.wire.units import format_bytes
 
@@ -163,8 +164,8 @@ class Cluster(MapReads):
             for record in [r for r in self.ledger.records.values() if r.op is not None
                            and now > r.op.deadline + defaults.CREATE_MARGIN]:
                 assert record.op is not None  # an answer the link never delivered: settle it as lost
-                commands += self.replies.settle(Command(record.op.kind, record, record.op), None,
-                                                AgentTimeout(f"node {record.node} never answered the {record.op.kind}"))
+                lost = OutcomeUnknown(f"node {record.node} never answered the {record.op.kind}")
+                commands += self.replies.settle(Command(record.op.kind, record, record.op), None, lost)
             return down, commands
 
     def refuse_adoptions(self, node: str, refused: list[RefusedAdoption]) -> None:
@@ -201,9 +202,27 @@ class Cluster(MapReads):
             if record.state is CREATING:
                 self.life.outcome("placed")
                 commands = self._start_commands((record,), deadline)
-        if record.state is QUEUED:
-            self.journal.sync()
+        if record.id in self.life.unwritten:
+            self._write_ahead(record)
         return record, commands
+
+    def _write_ahead(self, record: Container) -> None:
+        """Make ``record``'s queue entry durable before the request is accepted; if that fails, nothing of it stays.
+
+        Until written the dispatcher passes it by (:attr:`Lifecycle.unwritten`), so it is never placed, and so
+        never run, on the strength of a write that may yet fail.
+        """
+        try:
+            self.journal.sync()
+        except Exception:
+            with self.lock:
+                self.life.unwritten.discard(record.id)
+                if record.state is QUEUED:
+                    self.life.forget(record)
+            raise
+        with self.lock:
+            self.life.unwritten.discard(record.id)
+        self.wake.set()
 
     def _submit(self, spec: PlacementSpec, queue: bool, queue_timeout: float | None,
                 tenant: Tenant | None) -> Container:
@@ -251,6 +270,7 @@ class Cluster(MapReads):
                         + "; send \"queue\": true to wait for room")
         if not spec.hook:  # a hook's wait lives in its node's open request, which a restart ends
             self.life.journaled.add(record.id)
+            self.life.unwritten.add(record.id)
             self.journal.add(self.life.journal_entry(record))
         why = self.life.why_waiting(spec.memory, spec.count, position - 1)
         self.life.event(EventType.QUEUED, f"waits for {format_bytes(spec.memory)} on {spec.count} GPU(s) at position "
@@ -310,10 +330,79 @@ class Cluster(MapReads):
             self.events.record(EventType.QUEUED, f"{restored} queued request(s) restored after a manager restart")
         return restored
 
+    def hold(self, commands: list[Command], hooks: list[Container]) -> None:
+        """Send ``commands`` and answer ``hooks`` at a later pass: what left the queue is not in the store yet."""
+        with self.lock:
+            self._to_send[:0] = commands
+            self._hooks_placed[:0] = hooks
+
+    def reset(self, why: str) -> int:
+        """Forget the whole map: leadership ended, or begins (it is built again from the store and the nodes).
+
+        Whoever waits on an operation of the ended term is answered at once with ``outcome_unknown``: the
+        command may have reached its node, and the next leader learns what it did from that node's report.
+        Returns how many waited.
+        """
+        with self.lock:
+            waiting = [r.op for r in self.ledger.records.values() if r.op is not None]
+            for op in waiting:
+                op.finish(OutcomeUnknown(f"{why}; what became of the {op.kind} is not known here: look at the "
+                                         "container before trying again"))
+            self.ledger.clear()
+            self.quotas.clear()
+            self.queue.clear()
+            self.life.clear()
+            self.dispatcher.making_room.clear()
+            self.dispatcher.refused.clear()
+            self.reconciler.clear()
+            self._to_send, self._hooks_placed = [], []
+        self.wake.set()
+        return len(waiting)
+
+    # --- intents ---------------------------------------------------------------------------------
+    def removal_intent(self, cid: str) -> dict[str, Any] | None:
+        """What a DELETE of ``cid`` must write to the store before it acts (None: nothing, it ends at once)."""
+        with self.lock:
+            record = self._get(cid)
+            if record.state not in LIVE or record.desired is State.REMOVED:
+                return None
+            return {"node": record.node, "desired": str(State.REMOVED), "reason": "removed on request"}
+
+    def intents_written(self, intents: dict[str, dict[str, Any]]) -> None:
+        """``intents`` are in the store now; one whose record ended (or wants to run) meanwhile is spent at once."""
+        with self.lock:
+            intents_ = self.life.intents
+            intents_.written(intents)
+            for grant in intents:
+                record = self.ledger.records.get(grant)
+                if record is None or record.state not in LIVE or record.desired not in KEPT:
+                    intents_.ended(grant)
+
+    def unwritten_intents(self) -> dict[str, dict[str, Any]]:
+        """The intents decided in the map (preemptions) and not written yet."""
+        with self.lock:
+            return dict(self.life.intents.unwritten)
+
+    def load_intents(self, kept: dict[str, dict[str, Any]]) -> None:
+        """Start from the intents the store holds (a restart, or a new term of leadership)."""
+        with self.lock:
+            self.life.intents.load(kept)
+
+    def take_spent_intents(self) -> list[str]:
+        """The intents carried out or moot, to delete from the store."""
+        with self.lock:
+            return self.life.intents.take_spent()
+
+    def respend_intents(self, grants: list[str]) -> None:
+        """Deleting ``grants``' intents failed: try again at the next sweep."""
+        with self.lock:
+            self.life.intents.respend(grants)
+
     # --- what nodes answer and report ----------------------------------------------------------
     def current(self, command: Command) -> bool:
-        """Whether ``command`` may still be sent (its operation is still the one in flight)."""
-        return self.life.current(command.record, command.op)
+        """Whether ``command`` may still be sent (its operation is still the one in flight, in this map)."""
+        record = command.record
+        return self.ledger.records.get(record.id) is record and self.life.current(record, command.op)
 
     def settle(self, command: Command, reply: protocol.Reply | None, error: Exception | None, *,
                sent: bool = True) -> list[Command]:
@@ -388,14 +477,17 @@ class Cluster(MapReads):
                 record.gpu_memory_peak = max(record.gpu_memory_peak, report.peak, sum(report.usage.values()))
 
     # --- the API's changes ---------------------------------------------------------------------
-    def request_removal(self, cid: str) -> tuple[Container, list[Command]]:
+    def request_removal(self, cid: str, intent: dict[str, Any] | None = None) -> tuple[Container, list[Command]]:
         """``DELETE``: withdraw a queued request, or make ``removed`` the desired state and act when possible.
 
         The commands hold the removal to send now; none when it must wait (an operation in flight, its
-        node down, its container not created yet): it is carried out when that ends.
+        node down, its container not created yet): it is carried out when that ends. ``intent`` is what the
+        caller wrote to the store first (:meth:`removal_intent`).
         """
         with self.lock:
             record = self._get(cid)
+            if intent is not None:
+                self.life.intents.written({cid: intent})
             if record.state is State.QUEUED:
                 self.life.move(record, State.REMOVED, "withdrawn from the queue before it was placed")
                 return record, []

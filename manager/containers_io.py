@@ -20,7 +20,16 @@ from flask import Blueprint, Response, jsonify, request, stream_with_context
 from gpumgr.manager.api import lookup, manager
 from gpumgr.manager.records import Container
 from gpumgr.wire import defaults, protocol
-from gpumgr.wire.errors import AgentFailed, Conflict, GpumgrError, InvalidRequest, NoAgents, NotFound
+from gpumgr.wire.errors import (
+    AgentFailed,
+    AgentTimeout,
+    Conflict,
+    GpumgrError,
+    InvalidRequest,
+    NoAgents,
+    NotFound,
+    OutcomeUnknown,
+)
 from gpumgr.wire.names import LIVE, State
 from gpumgr.wire.runspec import SIGNAL
 
@@ -135,7 +144,13 @@ def _ask(record: Container, message: protocol.Message) -> dict[str, Any]:
     cluster = manager().cluster
     if not cluster.node_ready(record.node):
         raise NoAgents(f"node {record.node} is down; try again when it is back")
-    reply = manager().link.request(cluster.routing_id(record.node), message, manager().settings.remove_timeout)
+    try:
+        reply = manager().link.request(cluster.routing_id(record.node), message, manager().settings.remove_timeout)
+    except AgentTimeout as exc:  # a signal may have been delivered: nobody knows (a logs read changed nothing)
+        if isinstance(message, protocol.Logs):
+            raise
+        raise OutcomeUnknown(f"node {record.node} did not answer in time: the signal may have been delivered") \
+            from exc
     if not reply.ok:
         error = reply.error or protocol.ErrorBody(code="agent_failed", message="no reason given")
         raise AGENT_ERRORS.get(error.code, AgentFailed)(f"node {record.node}: {error.message}")

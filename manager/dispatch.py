@@ -99,10 +99,13 @@ class Dispatch:
         """Place queued requests in order while they fit; return those placed (state ``creating``)."""
         placed: list[Container] = []
         position = 0
-        queue, records = self.life.queue, self.ledger.records
+        queue, records, unwritten = self.life.queue, self.ledger.records, self.life.unwritten
         while position < len(queue):
             record = records[queue.at(position)]
             spec = record.spec
+            if unwritten and record.id in unwritten and record.id != own:
+                position += 1  # its queue entry is being written: accepted only once that is done
+                continue
             request = request_for(spec, record.gpu_memory)
             if (not self.life.quotas.within_live(record)
                     or (spec.node is not None and spec.node not in self.ledger.index.by_node)

@@ -242,6 +242,16 @@ class Inbound:
             if routing_id is not None:
                 self.link.send(routing_id, reply, reply_to=reply_to, key=self.cluster.node_key(node))
 
+    def refuse_hook_waiters(self, why: str) -> int:
+        """Refuse every runtime hook waiting in the queue (leadership ended): its agent asks the next leader."""
+        with self._waiters_lock:
+            waiting = list(self._hook_waiters)
+        for grant in waiting:
+            self.answer_hook(grant, protocol.Reply(ok=False, error=protocol.ErrorBody(
+                code="not_leader", message=f"gpumgr: {why}; the task's request was dropped with the queue it waited "
+                                           "in: ask the manager that leads now")))
+        return len(waiting)
+
     def settle_hook_waiters(self) -> None:
         """Tell the hooks whose queued requests ended unplaced (expired, withdrawn) why."""
         with self._waiters_lock:

@@ -1,7 +1,8 @@
 """What a manager of several does as leadership comes and goes (the control plane's callbacks, wired).
 
 *Elected.* The new leader reads what its predecessor left in the store: node bindings, the queue
-(in its order, with its waits) and a fresh block of event ids. The grant map is not there: it is
+(in its order, with its waits), the intents (DELETEs answered 202 and preemptions not carried out
+yet, :mod:`~gpumgr.manager.intents`) and a fresh block of event ids. The grant map is not there: it is
 rebuilt from the agents' registrations, as after a restart. So the leader waits a bounded grace
 (:data:`GRACE`) for the nodes it knows (those bound in the store) to register before it runs the queue
 or places a REST request: placing before then could put a request on the one node back first while
@@ -10,9 +11,12 @@ The grace ends early once every known node is back.
 
 *Lost.* Leadership ends the moment the lease cannot have been renewed (:mod:`~gpumgr.manager.leadership`):
 from then on :meth:`~gpumgr.manager.service.Manager.send` sends nothing, the REST API forwards or holds,
-and here every request waiting on an agent's reply fails with 503 ``not_leader``, every node is marked
-down (its agent must register again, with whichever manager leads), and queue changes not yet written
-are dropped (the new leader owns the queue). Containers are untouched: agents enforce on their own.
+and here the whole map is dropped (:meth:`~gpumgr.manager.cluster.Cluster.reset`): records, desired
+states, operations, grants, nodes (their agents must register again, with whichever manager leads) and
+queue changes not yet written (the new leader owns the queue). Every REST call waiting on an agent's
+reply is answered ``502 outcome_unknown`` and every runtime hook waiting in the queue is refused. A
+manager that leads again later (M1 → M2 → M1 is ordinary) starts from the store and the nodes, never
+from what it held before. Containers are untouched: agents enforce on their own.
 
 A single manager (:class:`~gpumgr.manager.ha.Solo`) leads from the start with no grace.
 """
@@ -128,11 +132,17 @@ class Leading:
 
     # --- the control plane's callbacks ---------------------------------------------------------
     def elected(self, epoch: Epoch) -> None:
-        """Load bindings, queue and event ids from the store; wait for the known nodes (bounded)."""
+        """Start from nothing: load bindings, queue, intents and event ids from the store; wait for the known nodes.
+
+        Whatever this process held in an earlier term is gone (:meth:`lost` dropped it, and it is dropped again
+        here in case anything of that term arrived since): the map is the store's and the nodes' reports.
+        """
         manager = self.manager
         self._loaded = None
+        manager.cluster.reset(f"this manager began a new term of leadership (epoch {epoch})")
         manager.admission.reload()
         manager.events.renew_ids()
+        manager.cluster.load_intents(self.plane.store.intents())
         self._expected = set(manager.admission.nodes())
         self._grace_until = time.monotonic() + self.grace
         if self._expected:
@@ -143,24 +153,26 @@ class Leading:
                     epoch, restored, self.grace, len(self._expected))
 
     def lost(self, epoch: Epoch, why: str) -> None:
-        """Stop at once: fail what waits on agents (503), mark every node down, drop unwritten queue changes."""
+        """Stop at once and forget the term: its map, operations, grants and queue go; every waiter is answered.
+
+        REST calls waiting on an agent get ``outcome_unknown`` (the command may have reached its node), runtime
+        hooks waiting in the queue are refused (their agent asks the next leader), and queue changes not yet
+        written are dropped (the new leader owns the queue). Containers are untouched: agents enforce on their own.
+        """
         manager, cluster = self.manager, self.manager.cluster
-        with cluster.lock:
-            for node in cluster.ledger.nodes.values():
-                if node.ready:
-                    cluster.ledger.set_ready(node, False)
+        text = f"this manager stopped leading (epoch {epoch}): {why}"
+        hooks = manager.inbound.refuse_hook_waiters(text)  # before the map, which knows where they wait, goes
         if isinstance(cluster.journal, EtcdQueueJournal):
             cluster.journal.discard()
-        failed = manager.link.fail_all(NotLeader(f"this manager stopped leading (epoch {epoch}): {why}"))
-        log.warning("no longer leading (epoch %s): %s; %d request(s) to agents failed", epoch, why, failed)
+        waited = cluster.reset(text)
+        failed = manager.link.fail_all(NotLeader(text))
+        log.warning("no longer leading (epoch %s): %s; the map is dropped: %d REST call(s) answered outcome_unknown, "
+                    "%d hook(s) refused, %d request(s) to agents failed", epoch, why, waited, hooks, failed)
 
     def _reload_queue(self) -> int:
-        """Replace the queue in memory (a previous term's, if any) with the store's."""
+        """Queue what the store holds (the map was reset: nothing of an earlier term is left)."""
         cluster = self.manager.cluster
         entries = self.plane.store.queued()
-        with cluster.lock:
-            for cid in list(cluster.queue.ids()):
-                cluster.life.forget(cluster.ledger.records[cid])
         if isinstance(cluster.journal, EtcdQueueJournal):
-            cluster.journal.discard()  # forgetting them is no change to the store: it holds the truth
+            cluster.journal.discard()  # anything noted since the reset is no change to the store: it holds the truth
         return cluster.restore_queue(entries)

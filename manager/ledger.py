@@ -59,6 +59,17 @@ class Ledger:
         #: containers): their overbooking is the node's truth, nothing more is granted there until it fits
         self.shrunk: set[str] = set()
 
+    def clear(self) -> None:
+        """Forget every node, GPU and record (leadership ended or begins: the map starts from nothing)."""
+        self.version += 1
+        self.touched |= set(self.nodes)
+        self.nodes, self.gpus, self.records = {}, {}, {}
+        self.index = FreeIndex()
+        self._finished.clear()
+        self.preemptible.clear()
+        self._capacity.clear()
+        self.shrunk.clear()
+
     # --- grants --------------------------------------------------------------------------------
     def grant(self, record: Container) -> None:
         """Reserve ``record.gpu_memory`` on each of its GPUs (it has just been placed or adopted)."""

@@ -29,6 +29,7 @@ from sortedcontainers import SortedList
 
 from gpumgr.manager.clock import SYSTEM, Clock
 from gpumgr.manager.events import EventLog, Message
+from gpumgr.manager.intents import Intents
 from gpumgr.manager.ledger import Ledger
 from gpumgr.manager.queue import QueueJournal, WaitQueue
 from gpumgr.manager.quotas import Quotas
@@ -80,11 +81,22 @@ class Lifecycle:
         self._op_ids = itertools.count(1)
         #: queued records that wait on disk too (a hook's wait lives in its node's open request instead)
         self.journaled: set[str] = set()
+        #: journaled records whose queue entry is not durable yet: not placed until it is (write ahead)
+        self.unwritten: set[str] = set()
         #: (expires at, monotonic; id) of queued records with a queue_timeout
         self.expiries: SortedList = SortedList()
         #: what ``GET /metrics`` counts: kills for overrun per node, placement requests per outcome
         self.overrun_kills: dict[str, int] = {}
         self.outcomes: dict[str, int] = {}
+        #: desired states decided and not carried out yet, as the store keeps them (:mod:`gpumgr.manager.intents`)
+        self.intents = Intents()
+
+    def clear(self) -> None:
+        """Forget what belongs to the records (the map starts from nothing); counters and op ids go on."""
+        self.journaled.clear()
+        self.unwritten.clear()
+        self.expiries.clear()
+        self.intents.load({})
 
     # --- entering ------------------------------------------------------------------------------
     def admit(self, record: Container, *, journal: bool = False) -> None:
@@ -169,6 +181,7 @@ class Lifecycle:
         if detail:
             record.detail.update(detail)
         record.finished_at = finished_at or record.finished_at or self.clock.time()
+        self.intents.ended(record.id)
         op = record.op
         if op is not None:
             record.op = None
@@ -196,6 +209,7 @@ class Lifecycle:
             record.detail.update(detail)
         elif desired is State.RUNNING:
             record.detail.pop("preempted_for", None)
+        self.intents.desired(record)
         return True
 
     # --- operations ----------------------------------------------------------------------------

@@ -280,10 +280,12 @@ ERRORS = {
          "below usage without force (below_usage), a name or id prefix that several containers match, or a "
          "container not running (conflict)",
     413: "the body is over 1 MiB",
-    502: "the agent could not do it",
+    502: "the agent could not do it (agent_failed), or nobody knows whether it was done (outcome_unknown: it was "
+         "sent and not answered, or leadership changed meanwhile): look before retrying, or resend with the same "
+         "Idempotency-Key",
     503: "no agent is ready, or the container's node is down; with several managers, no manager leads "
          "(no_leader) or etcd lost its quorum (no_quorum), with Retry-After",  # issue 21
-    504: "the agent did not answer in time",
+    504: "the agent did not answer a read (logs) in time",
 }
 
 
@@ -336,7 +338,7 @@ def document() -> dict[str, Any]:
         "/v1/containers": {
             "post": operation("Place and start a container; 201 once it runs, 202 while it waits in the queue",
                               (201, ContainerRecord, "running, with its grant"),
-                              (400, 403, 409, 413, 502, 503, 504), body=api.CreateContainer, op_id="createContainer",
+                              (400, 403, 409, 413, 502, 503), body=api.CreateContainer, op_id="createContainer",
                               also=(202, ContainerRecord, "queued: placed and started as soon as room frees")),
             "get": operation("Every container record, oldest first", (200, ContainerList, "the records"), (400,),
                              params=[query("state", "only records in this state", enum=states),
@@ -350,10 +352,10 @@ def document() -> dict[str, Any]:
                              op_id="getContainer"),
             "patch": operation("Grow or shrink a running (or queued) container's grant in place",
                                (200, ContainerRecord, "the record with its new grant"),
-                               (400, 403, 404, 409, 413, 502, 503, 504), params=[cid], body=api.ResizeContainer,
+                               (400, 403, 404, 409, 413, 502, 503), params=[cid], body=api.ResizeContainer,
                                op_id="resizeContainer"),
             "delete": operation("Stop and remove a container, or withdraw a queued request; its grant is freed",
-                                (200, ContainerRecord, "removed"), (404, 409, 502, 503, 504), params=[cid],
+                                (200, ContainerRecord, "removed"), (404, 409, 502, 503), params=[cid],
                                 op_id="removeContainer",
                                 also=(202, ContainerRecord, "kept: carried out once its node is back or its "
                                       "create returns")),
@@ -376,7 +378,7 @@ def document() -> dict[str, Any]:
             op_id="waitContainer")},
         "/v1/containers/{cid}/kill": {"post": operation(
             "Send a signal to a running container (docker kill)", (200, Signalled, "sent"),
-            (400, 404, 409, 502, 503, 504), params=[cid, query("signal", "SIGKILL by default; a name or a number",
+            (400, 404, 409, 502, 503), params=[cid, query("signal", "SIGKILL by default; a name or a number",
                                                                pattern=SIGNAL.pattern)], op_id="killContainer")},
         "/v1/nodes": {"get": operation(
             "The machine × GPU map; with since, only what changed after that version",

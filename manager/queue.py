@@ -52,6 +52,11 @@ class WaitQueue:
         self._order.add(key)
         return seq
 
+    def clear(self) -> None:
+        """Forget every queued id (the map starts from nothing; the store keeps the queue)."""
+        self._order.clear()
+        self._keys.clear()
+
     def discard(self, cid: str) -> bool:
         """Take ``cid`` out; False if it was not queued."""
         key = self._keys.pop(cid, None)

@@ -27,6 +27,10 @@ class Quotas:
         self.book: TenantBook | None = None
         self._usage: dict[str, Usage] = {}
 
+    def clear(self) -> None:
+        """Forget every tenant's counts (the map starts from nothing; the records that count come back)."""
+        self._usage = {}
+
     def count(self, record: Container, sign: int) -> None:
         """``record`` starts (+1) or stops (-1) counting against its tenant, as queued or live by its state."""
         if record.tenant is None:

@@ -82,7 +82,14 @@ class Reconciler:
                            and r.state is State.CREATING and r.id not in reported]:
                 self.life.move(record, State.FAILED, "its node's agent restarted before creating the container")
         orphans, commands = self._reconcile(node, containers, whole=True)
+        self.life.intents.registered(name, {c.grant for c in containers}, set(self.ledger.records))
         return orphans, commands, restarted
+
+    def clear(self) -> None:
+        """Forget what was judged of nodes (the map starts from nothing)."""
+        self._down_at.clear()
+        self._disrupted_since = None
+        self._refused.clear()
 
     def heartbeat(self, name: str, routing_id: bytes, samples: list[GpuSample],
                   containers: list[ContainerStatus]) -> tuple[list[str], list[Command]] | None:
@@ -107,8 +114,10 @@ class Reconciler:
                     self.ledger.wake.set()
                 if sample.health != gpu.health and self.ledger.set_health(gpu, sample.health):
                     self._health_event(gpu)
-        if any(s.grant not in self.ledger.records and s.state in LIVE for s in containers):
-            return None  # a live grant we do not know: adopt it from the whole report
+        records = self.ledger.records
+        if any(s.state in LIVE and ((r := records.get(s.grant)) is None or r.state is State.QUEUED)
+               for s in containers):
+            return None  # a live grant we do not know (or hold queued): adopt it from the whole report
         return self._reconcile(node, containers)
 
     def _health_event(self, gpu: Gpu) -> None:
@@ -135,6 +144,7 @@ class Reconciler:
             self.life.move(record, State.REMOVED, reason)
         self.ledger.drop_node(name)
         self._refused.pop(name, None)  # issue 20
+        self.life.intents.registered(name, set(), set())  # intents for its containers the map never saw are moot
         self.life.events.record(EventType.NODE_DOWN, f"node {name} was forgotten", node=name)
         return True
 
@@ -260,7 +270,14 @@ class Reconciler:
         for report in reports:
             seen.add(report.grant)
             record = self.ledger.records.get(report.grant)
-            if record is not None and record.node != node.name:
+            if record is not None and record.state is State.QUEUED and isinstance(report, ContainerReport) and (
+                    report.state in LIVE or report.state == REMOVING):
+                # queued in the store and running on a node: a leader placed it and lost the store before the
+                # dequeue was written; the running container is the request, adopted rather than placed again
+                log.warning("node %s runs queued request %s: adopted, and taken off the queue", node.name, record.id)
+                self.life.forget(record)
+                unknown.append(report)
+            elif record is not None and record.node != node.name:
                 log.warning("node %s reports grant %s of node %s; ignored", node.name, report.grant, record.node)
             elif record is None:
                 if isinstance(report, ContainerReport):
@@ -356,7 +373,10 @@ class Reconciler:
             return False
         if live:
             self.life.admit(record)
-            if report.state == REMOVING:
+            intended = self.life.intents.adopted(record)
+            if intended is not None:  # a DELETE answered 202, or a preemption, before a restart or failover
+                self.life.desire(record, intended[0], intended[1], **intended[2])
+            elif report.state == REMOVING:
                 self.life.desire(record, State.REMOVED, "removed on request")
             self.life.event(EventType.ADOPTED, f"{report.state} container {report.container_id[:12]} re-adopted",
                             record)

@@ -20,6 +20,7 @@ from gpumgr.manager.admission import Admission
 from gpumgr.manager.clock import SYSTEM, Clock
 from gpumgr.manager.cluster import Cluster
 from gpumgr.manager.config import ManagerSettings
+from gpumgr.manager.etcdv3 import StoreUnavailable
 from gpumgr.manager.events import EventLog
 from gpumgr.manager.forward import DigestWatch
 from gpumgr.manager.ha import DEPOSED, Replicated, Solo, control_plane
@@ -33,7 +34,16 @@ from gpumgr.manager.records import Command, OpKind, PlacementSpec
 from gpumgr.manager.store_etcd import EtcdQueueJournal, EtcdStore
 from gpumgr.manager.tenants import OPERATOR, Principal, Tenant, TenantBook, build_tenants
 from gpumgr.wire import defaults, protocol
-from gpumgr.wire.errors import AgentTimeout, Conflict, Forbidden, GpumgrError, InvalidRequest, NoAgents, NotFound
+from gpumgr.wire.errors import (
+    AgentTimeout,
+    Conflict,
+    Forbidden,
+    GpumgrError,
+    InvalidRequest,
+    NoAgents,
+    NotFound,
+    OutcomeUnknown,
+)
 from gpumgr.wire.lanes import Lanes
 from gpumgr.wire.names import LIVE, State
 
@@ -65,7 +75,8 @@ class Manager:
         self.cluster.reconciler.disruption_threshold = settings.disruption_threshold
         self.cluster.set_timeouts(settings.create_timeout, settings.remove_timeout)
         self.metrics = Metrics(self.cluster)
-        if not shared:  # several managers: the leader loads the queue when elected
+        if not shared:  # several managers: the leader loads the queue and intents when elected
+            self.cluster.load_intents(self.plane.store.intents())
             restored = self.cluster.restore_queue(self.cluster.journal.load())
             if restored:
                 log.info("restored %d queued requests from %s", restored, self.cluster.journal.path)
@@ -152,7 +163,8 @@ class Manager:
         self._wait(commands, self.settings.create_timeout)
         if record.state is State.FAILED or record.state is State.CREATING:
             op_error = next((c.op.error for c in commands if c.op.error is not None), None)
-            raise op_error or AgentTimeout(f"node {record.node} did not confirm the container in time")
+            raise unknown(op_error) if op_error is not None else \
+                OutcomeUnknown(f"node {record.node} did not confirm the container in time")
         return self.cluster.view(record), 201
 
     def resize(self, cid: str, memory: int, *, force: bool = False, principal: Principal = OPERATOR) -> dict[str, Any]:
@@ -166,7 +178,7 @@ class Manager:
             self.send([command])
             self._wait([command], self.settings.remove_timeout)
             if command.op.error is not None:
-                raise command.op.error
+                raise unknown(command.op.error)
         return self.cluster.view(record)
 
     def remove(self, cid: str) -> tuple[dict[str, Any], int]:
@@ -176,16 +188,31 @@ class Manager:
         is still being created) the request is kept and carried out as soon as it can be: ``(record, 202)``.
         """
         self.leading.check()
-        record, commands = self.cluster.request_removal(cid)
+        intent = self.cluster.removal_intent(cid)
+        if intent is not None:  # written ahead: a restart or a new leader carries it out; a failure changes nothing
+            self.write_intents({cid: intent})
+        record, commands = self.cluster.request_removal(cid, intent)
         self.sync_queue(strict=True)
         self.send(commands)
         if commands:
             self._wait(commands, self.settings.remove_timeout)
             error = commands[0].op.error
-            if error is not None and not isinstance(error, AgentTimeout | NoAgents):
+            if isinstance(error, OutcomeUnknown | NotLeader) and intent is None:
+                raise unknown(error)
+            if error is not None and not isinstance(error, AgentTimeout | NoAgents | OutcomeUnknown | NotLeader):
                 raise error  # its node refused: the container is still there
-            # unanswered, or never delivered: the desired state stands, and the node's next report carries it out
+            # unanswered, or never delivered: the desired state stands (in the store too), and the node's next
+            # report carries it out, whichever manager leads then
         return self.cluster.view(record), 202 if record.state in LIVE or record.op is not None else 200
+
+    def write_intents(self, intents: dict[str, dict[str, Any]]) -> None:
+        """Write ``intents`` to the store (durable before it returns); the model keeps them once written."""
+        try:
+            self.plane.store.intend(intents)
+        except OSError as exc:  # the state directory: a full or read-only disk
+            raise StoreUnavailable(f"the state directory could not be written ({exc}); nothing was changed") \
+                from exc
+        self.cluster.intents_written(intents)
 
     def forget_node(self, name: str) -> dict[str, Any]:
         """Forget a node that is down, with its binding: its agent must join again to come back."""
@@ -250,9 +277,20 @@ class Manager:
         if not self.leading.placing:
             return
         commands, hooks = self.cluster.dispatch()
-        # what left the queue is written before its creates go out: a leader that dies in between must not
-        # leave the next one a queued request whose container already runs
-        self.sync_queue()
+        # what left the queue is written before its creates go out, and a preemption before its Remove: a leader
+        # that dies in between must not leave the next one a queued request whose container already runs, or a
+        # victim it does not know to stop. Until both are written nothing goes out (held for the next pass).
+        try:
+            self.sync_queue(strict=True)
+            pending = self.cluster.unwritten_intents()
+            if pending:
+                self.write_intents(pending)
+        except GpumgrError as exc:
+            log.warning("holding %d command(s) and %d hook grant(s): the store has not taken the queue's changes "
+                        "yet (%s)", len(commands), len(hooks), exc.message)
+            self.cluster.hold(commands, hooks)
+            self._stopping.wait(defaults.DISPATCH_TICK)
+            return
         for record in hooks:
             self.inbound.answer_hook(record.id, self.inbound.grant_reply(record))
         self.inbound.settle_hook_waiters()
@@ -300,10 +338,33 @@ class Manager:
             self.headless.tick()
         if not self.plane.is_leader:
             return
+        self._drop_spent_intents()
         down, commands = self.cluster.sweep()
         for name in down:
             log.warning("node %s missed %d heartbeats: marked down", name, self.settings.heartbeat_liveness)
         self.send(commands)
+
+
+    def _drop_spent_intents(self) -> None:
+        """Delete the intents carried out (or moot) from the store; a failure only tries again next sweep."""
+        spent = self.cluster.take_spent_intents()
+        if spent:
+            try:
+                self.plane.store.drop_intents(spent)
+            except (GpumgrError, OSError) as exc:
+                self.cluster.respend_intents(spent)
+                log.info("%d spent intent(s) stay in the store until the next sweep: %s", len(spent), exc)
+
+
+def unknown(error: GpumgrError) -> GpumgrError:
+    """What a REST caller is told of an operation's error: a command sent and not answered is ``outcome_unknown``.
+
+    (One never sent keeps its own code: ``not_leader`` or ``no_agents`` is safe to retry. One whose leadership
+    ended while it waited was answered ``outcome_unknown`` already, by :meth:`Cluster.reset`.)
+    """
+    if isinstance(error, AgentTimeout):
+        return OutcomeUnknown(f"{error.message}: the command was sent and not answered; it may have been carried out")
+    return error
 
 
 def manager_name(settings: ManagerSettings) -> str:

@@ -2,8 +2,10 @@
 
 The grant map is never stored: agents' reports rebuild it after a restart or a failover. What the
 engines cannot hold is kept here: node ⇄ key bindings, the join secret, the wait queue (each queued
-request, in the order it was queued) and event ids, reserved in blocks so they keep rising across
-restarts and leaders without a write per event.
+request, in the order it was queued), event ids, reserved in blocks so they keep rising across
+restarts and leaders without a write per event, and *intents*: what a client or the manager's policy
+decided about a running container that its node has not carried out yet (a DELETE answered 202, a
+preemption), written before anything acts on it, so a restart or a new leader carries it out.
 
 - :class:`FileStore`: the state directory of one manager, the files it has always used
   (``nodes.json``, ``join_secret.json``, ``queue.jsonl``, ``event_ids.json``: the highest event id
@@ -31,6 +33,7 @@ from gpumgr.wire.errors import GpumgrError
 NODES_FILE = "nodes.json"
 SECRET_FILE = "join_secret.json"
 EVENT_IDS_FILE = "event_ids.json"
+INTENTS_FILE = "intents.json"
 #: Event ids reserved at once: one store write per this many events (as the event log reserves them).
 EVENT_ID_BLOCK = 10_000
 
@@ -93,6 +96,19 @@ class Store(ABC):
     def compact_queue(self, queued: list[dict[str, Any]]) -> bool:
         """Rewrite the queue's record as exactly ``queued`` if it has grown well past it; True if it did."""
         return False
+
+    # --- intents -------------------------------------------------------------------------------
+    @abstractmethod
+    def intents(self) -> dict[str, dict[str, Any]]:
+        """Every intent kept: grant id → ``{"node", "desired", "reason", ...}`` (see :mod:`gpumgr.manager.intents`)."""
+
+    @abstractmethod
+    def intend(self, intents: dict[str, dict[str, Any]]) -> None:
+        """Keep each intent of ``intents`` (replacing one the grant had); durable before it returns."""
+
+    @abstractmethod
+    def drop_intents(self, grants: list[str]) -> None:
+        """Forget the intents of ``grants`` (carried out, or moot); one that is not kept is ignored."""
 
     # --- event ids -----------------------------------------------------------------------------
     @abstractmethod
@@ -175,6 +191,25 @@ class FileStore(Store):
         self._journal.rewrite(queued)
         return True
 
+    def intents(self) -> dict[str, dict[str, Any]]:
+        """Every intent in ``intents.json``."""
+        path = self.folder / INTENTS_FILE
+        if not path.exists():
+            return {}
+        return {str(k): dict(v) for k, v in security.read_private(path).get("intents", {}).items()}
+
+    def intend(self, intents: dict[str, dict[str, Any]]) -> None:
+        """Rewrite ``intents.json`` (atomically, fsynced) with ``intents`` added."""
+        with self._lock:
+            self._save_intents({**self.intents(), **intents})
+
+    def drop_intents(self, grants: list[str]) -> None:
+        """Rewrite ``intents.json`` without ``grants`` (not at all if it held none of them)."""
+        with self._lock:
+            kept = self.intents()
+            if any(kept.pop(grant, None) is not None for grant in list(grants)):
+                self._save_intents(kept)
+
     def reserve_event_ids(self, count: int) -> range:
         """Raise ``event_ids.json``'s ceiling by ``count`` (durably) before handing out the ids up to it."""
         if count < 1:
@@ -191,6 +226,9 @@ class FileStore(Store):
 
     def _save_nodes(self, nodes: dict[str, str]) -> None:
         security.write_private(self.folder / NODES_FILE, {"nodes": nodes})
+
+    def _save_intents(self, intents: dict[str, dict[str, Any]]) -> None:
+        security.write_private(self.folder / INTENTS_FILE, {"intents": intents})
 
 
 class EventIds:

@@ -6,6 +6,7 @@ Keys, under a prefix (``/gpumgr/`` by default) so several clusters can share one
 - ``join_secret``: the join secret (JSON ``{"secret"}``);
 - ``queue/<id>``: one queued request (JSON); the queue's order is the keys' create revisions, which
   etcd hands out in the order the writes committed;
+- ``intent/<grant>``: an intent not carried out yet (JSON, see :mod:`gpumgr.manager.intents`);
 - ``event_ids``: the highest event id reserved (JSON ``{"ceiling"}``);
 - ``generation`` and ``leader``: written by :mod:`gpumgr.manager.leadership`;
 - ``asked/<manager>``: the nodes that asked that manager, a follower, to register, and when (JSON
@@ -134,8 +135,29 @@ class EtcdStore(Store):
         At most :data:`~gpumgr.manager.etcdv3.MAX_TXN_OPS` operations go in one transaction (etcd's
         default ``--max-txn-ops``), so a burst of a thousand queued requests costs eight writes, not a thousand.
         """
-        operations = [etcdv3.put(self.key("queue", cid), _dump(request)) if request is not None
-                      else etcdv3.delete(self.key("queue", cid)) for cid, request in changes]
+        self._write_batches([etcdv3.put(self.key("queue", cid), _dump(request)) if request is not None
+                             else etcdv3.delete(self.key("queue", cid)) for cid, request in changes])
+
+    # --- intents -------------------------------------------------------------------------------
+    def intents(self) -> dict[str, dict[str, Any]]:
+        """Every ``intent/<grant>`` key; an unreadable one is skipped."""
+        start, found = len(self.key("intent", "")), {}
+        for kv in self.client.get_prefix(self.key("intent", "")):
+            try:
+                found[kv.key[start:].decode(errors="replace")] = _load(kv.value, kv.key)
+            except ValueError as exc:
+                log.warning("%s; skipped", exc)
+        return found
+
+    def intend(self, intents: dict[str, dict[str, Any]]) -> None:
+        """Write one ``intent/<grant>`` per intent, fenced, in as few transactions as they fit."""
+        self._write_batches([etcdv3.put(self.key("intent", grant), _dump(body)) for grant, body in intents.items()])
+
+    def drop_intents(self, grants: list[str]) -> None:
+        """Delete ``intent/<grant>`` of each grant, fenced."""
+        self._write_batches([etcdv3.delete(self.key("intent", grant)) for grant in dict.fromkeys(grants)])
+
+    def _write_batches(self, operations: list[dict[str, Any]]) -> None:
         for start in range(0, len(operations), etcdv3.MAX_TXN_OPS):
             self.write(operations[start:start + etcdv3.MAX_TXN_OPS])
 

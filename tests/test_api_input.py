@@ -1,7 +1,7 @@
 """Requests the agent could not take are a 400 at once: the API applies the wire's bounds (issue "Grant integrity" 2).
 
 The scripted agent never answers a create here, so anything the API wrongly lets through to it shows
-up as a 504 after ``create_timeout`` (or a 500), never as the fast 400 these tests expect.
+up as a 502 outcome_unknown after ``create_timeout`` (or a 500), never as the fast 400 these tests expect.
 """
 
 from __future__ import annotations
@@ -89,10 +89,10 @@ def test_over_a_wire_bound_is_400_at_once(stack, extra, words) -> None:
 
 
 def test_strings_exactly_at_the_field_bound_pass_validation(stack) -> None:
-    # at the bound the request reaches the agent (which stays silent here: 504 after the create timeout)
+    # at the bound the request reaches the agent (which stays silent here: 502 outcome_unknown after the create timeout)
     _, client, _ = stack
     response = client.post("/v1/containers", json=body(command=["x" * FIELD]))
-    assert response.status_code == 504
+    assert response.status_code == 502
 
 
 @pytest.mark.parametrize("extra, words", [
