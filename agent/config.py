@@ -55,6 +55,8 @@ class AgentSettings(Settings):
     guard_control: str = "/run/gpumgr/guard.sock"
     guard_state: str = "/var/lib/gpumgr/guard.json"
     guard_allow: list[str] = Field(default_factory=list)
+    #: runtimes a create may name besides the engine's default and gpumgr's (sandboxes: runsc, kata)
+    guard_runtimes: list[Annotated[str, Field(min_length=1, max_length=255)]] = Field(default_factory=list)
     hook_tenant: str | None = None
     hook_max_priority: int = Field(0, ge=-defaults.MAX_PRIORITY, le=defaults.MAX_PRIORITY)
     hook_max_memory: Annotated[int, BeforeValidator(size)] | None = None

@@ -31,11 +31,12 @@ import re
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from gpumgr.agent.engine_watch import EngineWatch
 from gpumgr.wire import gojson, gpudev
 
 log = logging.getLogger(__name__)
@@ -170,17 +171,23 @@ class GuardState:
 
 
 class Guard:
-    """Judges the engine's requests under ``policy``, with ``allow`` image IDs as exceptions."""
+    """Judges the engine's requests under ``policy``, with ``allow`` image IDs as exceptions.
 
-    def __init__(self, policy: gpudev.Policy, state: GuardState, allow: frozenset[str] = frozenset()) -> None:
+    With ``engines``, the engine's default runtime is learnt from the engine process that asks
+    (:mod:`gpumgr.agent.engine_watch`); without, ``policy.default`` says it.
+    """
+
+    def __init__(self, policy: gpudev.Policy, state: GuardState, allow: frozenset[str] = frozenset(),
+                 engines: EngineWatch | None = None) -> None:
         self.policy = policy
         self.state = state
         self.allow = frozenset(_image_id(image) for image in allow)
+        self.engines = engines
 
-    def request(self, plugin_request: dict[str, Any]) -> Decision:
-        """Judge one ``AuthZReq``; any failure to read it is a denial."""
+    def request(self, plugin_request: dict[str, Any], engine_pid: int | None = None) -> Decision:
+        """Judge one ``AuthZReq`` from the engine process ``engine_pid``; any failure to read it is a denial."""
         try:
-            return self._judge(plugin_request)
+            return self._judge(plugin_request, engine_pid)
         except gojson.BodyError as exc:
             return _deny(f"the request's body cannot be read as the engine reads it ({exc}); nothing was done")
         except Exception as exc:  # fail closed: a bug here must never let a GPU through
@@ -213,7 +220,11 @@ class Guard:
         elif name:
             self.state.forget_name(name)
 
-    def _judge(self, request: dict[str, Any]) -> Decision:
+    def _policy(self, engine_pid: int | None) -> gpudev.Policy:
+        """The policy with what the asking engine's default runtime is now."""
+        return self.policy if self.engines is None else replace(self.policy, default=self.engines.default(engine_pid))
+
+    def _judge(self, request: dict[str, Any], engine_pid: int | None) -> Decision:
         method = str(request.get("RequestMethod") or "").upper()
         path, query, version = _route(str(request.get("RequestUri") or ""))
         if path.startswith("/plugins") and method not in ("GET", "HEAD"):
@@ -221,22 +232,22 @@ class Guard:
         if method != "POST":
             return ALLOW
         if path == "/containers/create":
-            return self._create(request, query)
+            return self._create(request, query, self._policy(engine_pid))
         if (match := CONTAINER_ACTION.match(path)) is not None:
-            return self._container_action(request, match[1], match[2], version)
+            return self._container_action(request, match[1], match[2], version, engine_pid)
         if SERVICE_WRITE.match(path):
             return _verdict(gpudev.service_reasons(_decoded(request, gpudev.SERVICE), self.policy))
         if path == "/volumes/create":
             return _verdict(gpudev.volume_reasons(_decoded(request, gpudev.VOLUME), self.policy))
         return ALLOW
 
-    def _create(self, request: dict[str, Any], query: dict[str, list[str]]) -> Decision:
+    def _create(self, request: dict[str, Any], query: dict[str, list[str]], policy: gpudev.Policy) -> Decision:
         body = _decoded(request, gpudev.CREATE)
         ticket = (body.get("Labels") or {}).get(TICKET_LABEL)
         granted = isinstance(ticket, str) and self.state.use_ticket(ticket)
         if ticket is not None and not granted:
             return _deny(f"the {TICKET_LABEL} label holds no ticket the gpumgr agent gave out")
-        reasons = gpudev.create_reasons(body, self.policy, granted=granted)
+        reasons = gpudev.create_reasons(body, policy, granted=granted)
         image = str(body.get("Image") or "")
         if reasons and _image_id(image) in self.allow:
             log.warning("guard_allow: image %s is let through although %s", image, "; ".join(reasons))
@@ -245,7 +256,8 @@ class Guard:
             self.state.pending[str(ticket)] = (query.get("name") or [""])[0]
         return _verdict(reasons)
 
-    def _container_action(self, request: dict[str, Any], ref: str, action: str, version: str | None) -> Decision:
+    def _container_action(self, request: dict[str, Any], ref: str, action: str, version: str | None,
+                          engine_pid: int | None) -> Decision:
         managed = self.state.resolve(ref)
         if action == "exec":
             return _verdict(gpudev.exec_reasons(_decoded(request, gpudev.EXEC)))
@@ -257,10 +269,10 @@ class Guard:
         if action == "update":
             return _verdict(gpudev.update_reasons(_decoded(request, gpudev.UPDATE), self.policy))
         if action == "start" and version is not None and _older(version, "1.24"):
-            return self._legacy_start(request)
+            return self._legacy_start(request, self._policy(engine_pid))
         return ALLOW
 
-    def _legacy_start(self, request: dict[str, Any]) -> Decision:
+    def _legacy_start(self, request: dict[str, Any], policy: gpudev.Policy) -> Decision:
         """API versions before 1.24 still take a HostConfig with ``start``: judge it as a create's."""
         raw = _body(request)
         if not raw:
@@ -269,7 +281,7 @@ class Guard:
                 return ALLOW  # the engine reads no body this short
             return _deny("a start through an old API version must carry a body the guard can read")
         host = gojson.decode(raw, gpudev.HOST_CONFIG)
-        return _verdict(gpudev.create_reasons({"HostConfig": host}, self.policy))
+        return _verdict(gpudev.create_reasons({"HostConfig": host}, policy))
 
 
 def _decoded(request: dict[str, Any], schema: gojson.Struct) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from gpumgr.agent.engine_watch import EngineWatch, peer_pid
 from gpumgr.agent.guard import PREFIX, Decision, Guard, GuardState
 from gpumgr.agent.hooklink import trusted_peer
 from gpumgr.wire import gpudev
@@ -67,6 +68,7 @@ class PluginHandler(socketserver.StreamRequestHandler):
     def handle(self) -> None:
         """Answer calls until the engine closes the connection (or sends something that is not one)."""
         self.connection.settimeout(READ_TIMEOUT)
+        self.engine_pid = peer_pid(self.connection)  # dockerd: the guard learns its settings from its files
         with contextlib.suppress(OSError):  # the engine went away or stalled: its connection ends
             while self._one():
                 pass
@@ -102,7 +104,7 @@ class PluginHandler(socketserver.StreamRequestHandler):
     def _answer(self, path: str, request: dict[str, Any] | None) -> tuple[dict[str, Any], int]:
         guard = self.server.guard
         if path == "/AuthZPlugin.AuthZReq":
-            decision = guard.request(request) if request is not None else \
+            decision = guard.request(request, self.engine_pid) if request is not None else \
                 Decision(False, f"{PREFIX}the engine's request to the guard could not be read")
             return decision.body(), 200
         if path == "/AuthZPlugin.AuthZRes":
@@ -187,10 +189,11 @@ class GuardServer:
 
 
 def build_guard(settings: Any) -> Guard:
-    """A guard from the agent's settings (``guard_*``, ``hook_max_*``)."""
+    """A guard from the agent's settings (``guard_*``, ``hook_max_*``), learning each engine's from its files."""
     policy = gpudev.Policy(majors=gpudev.gpu_majors(), hook_max_priority=settings.hook_max_priority,
                            hook_max_memory=settings.hook_max_memory,
+                           runtimes=gpudev.FENCED_RUNTIMES | frozenset(settings.guard_runtimes),
                            cap_add=frozenset(settings.policy.cap_add if settings.policy else ()))
     state = GuardState(Path(settings.guard_state) if settings.guard_state else None)
     state.load()
-    return Guard(policy, state, frozenset(settings.guard_allow))
+    return Guard(policy, state, frozenset(settings.guard_allow), EngineWatch())

@@ -96,7 +96,8 @@ def decisions_per_second(seconds: float) -> dict[str, float]:
     """``Guard.request`` on the recorded mix, in this process."""
     logging.getLogger("gpumgr").addHandler(logging.NullHandler())
     logging.getLogger("gpumgr").propagate = False  # each denial is logged, as in the guard, but not printed here
-    guard = Guard(gpudev.Policy(majors=gpudev.gpu_majors()), GuardState())
+    guard = Guard(gpudev.Policy(majors=gpudev.gpu_majors(), default=gpudev.DefaultRuntime(frozenset({"runc"}), None)),
+                  GuardState())
     requests = plugin_requests()
     denied = sum(not guard.request(r).allow for r in requests)
     count, t0 = 0, time.perf_counter()

@@ -14,6 +14,8 @@ from gpumgr.agent.guard_server import GuardServer
 from gpumgr.wire import gpudev
 
 IMAGE_ID = "sha256:" + "ab" * 32
+#: an engine whose default runtime is runc, as the guard learns it from dockerd's files
+POLICY = gpudev.Policy(default=gpudev.DefaultRuntime(frozenset({"runc"}), None))
 
 
 def plugin_request(uri: str, body: object | None = None, method: str = "POST") -> dict:
@@ -25,7 +27,7 @@ def plugin_request(uri: str, body: object | None = None, method: str = "POST") -
 
 @pytest.fixture
 def guard(tmp_path) -> Guard:
-    return Guard(gpudev.Policy(), GuardState(tmp_path / "guard.json"), frozenset({IMAGE_ID}))
+    return Guard(POLICY, GuardState(tmp_path / "guard.json"), frozenset({IMAGE_ID}))
 
 
 @pytest.mark.parametrize("uri", ["/v1.41/containers/create", "/containers/create?name=x",
@@ -66,7 +68,7 @@ def test_a_ticketed_container_starts_once_and_is_remembered_across_guard_restart
                 "ResponseBody": base64.b64encode(json.dumps({"Id": "f" * 64}).encode()).decode()}
     assert guard.response(response).allow
     assert guard.request(plugin_request(f"/v1.41/containers/{'f' * 64}/start")).allow
-    restarted = Guard(gpudev.Policy(), GuardState(tmp_path / "guard.json"))
+    restarted = Guard(POLICY, GuardState(tmp_path / "guard.json"))
     restarted.state.load()
     for ref in ("f" * 64, "fff", "job", "/job"):
         decision = restarted.request(plugin_request(f"/v1.41/containers/{ref}/start"))

@@ -8,7 +8,7 @@ import pytest
 
 from gpumgr.wire import gojson, gpudev
 
-POLICY = gpudev.Policy()
+POLICY = gpudev.Policy(default=gpudev.DefaultRuntime(frozenset({"runc"}), None))
 
 
 def reasons(body: str | bytes) -> list[str]:
@@ -118,7 +118,7 @@ def test_services_and_volumes():
 
 
 def test_hook_requests_over_the_node_policy():
-    policy = gpudev.Policy(hook_max_priority=5, hook_max_memory=2 << 30)
+    policy = gpudev.Policy(hook_max_priority=5, hook_max_memory=2 << 30, default=POLICY.default)
     body = {"Env": ["GPUMGR_REQUEST_MEMORY=4GiB", "GPUMGR_REQUEST_PRIORITY=5"]}
     found = gpudev.create_reasons(gojson.decode(json.dumps(body).encode(), gpudev.CREATE), policy)
     assert len(found) == 1 and "GPUMGR_REQUEST_MEMORY" in found[0]

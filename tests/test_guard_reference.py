@@ -24,7 +24,7 @@ from tests.guard_dockerd import GuardEngine
 from tests.images import IMAGE, busybox_tar
 
 pytestmark = pytest.mark.usefixtures("docker_client")
-POLICY = gpudev.Policy()
+POLICY = gpudev.Policy(default=gpudev.DefaultRuntime(frozenset({"runc"}), None))  # the reference engine's
 #: how many generated bodies the engine made with a GPU (True), without (False), or refused (None)
 SEEN: dict[bool | None, int] = {True: 0, False: 0, None: 0}
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,8 +28,11 @@ STATIC_MAJORS = frozenset({195, 226})
 GPU_ENV = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "NVIDIA_MIG_CONFIG_DEVICES",
            "NVIDIA_MIG_MONITOR_DEVICES")
 GPU_ENV_PREFIXES = ("DOCKER_RESOURCE_",)
-#: Runtimes that give no devices of their own; any other (``nvidia``, or a wrapper under another name) asks.
-PLAIN_RUNTIMES = frozenset({"", "runc", "gpumgr", "io.containerd.runc.v2", "io.containerd.runtime.v1.linux"})
+#: Runtimes a create may name whatever the engine's default is: gpumgr's hook (it checks every GPU container
+#: for a grant); a node adds its sandboxes (runsc, kata) with ``guard_runtimes``. runc named outright skips the
+#: hook, so it passes only as the engine's default (:func:`runtime_reasons`).
+FENCED_RUNTIMES = frozenset({"gpumgr"})
+STOCK_RUNTIMES = frozenset({"runc", "io.containerd.runc.v2", "io.containerd.runtime.v1.linux"})
 #: Paths a bind must neither be, nor hold, nor sit inside: the GPUs' nodes, the engine's and gpumgr's settings
 #: and sockets (a container that can write them can replace the guard).
 GUARDED = ("/dev/nvidiactl", "/dev/dri", "/dev/char", "/etc/docker", "/run/docker/plugins", "/run/gpumgr",
@@ -38,8 +40,6 @@ GUARDED = ("/dev/nvidiactl", "/dev/dri", "/dev/char", "/etc/docker", "/run/docke
 GPU_NODE_PREFIXES = ("/dev/nvidia", "/dev/dri/", "/dev/char/195:", "/dev/char/226:")
 #: Labels a plain create may not carry: gpumgr's own, and Swarm's (the agent trusts those as a Swarm task's).
 RESERVED_LABELS = (LABEL_PREFIX, "com.docker.swarm.")
-#: Most entries looked at under one directory a device or bind names.
-MAX_SCAN = 4096
 RULE = re.compile(r"^([abc]) (\*|[0-9]+):(\*|[0-9]+)(?: ([rwm]{1,3}))?$")
 HINT = "Ask gpumgr for a GPU instead: 'docker gpu run --gpu-memory SIZE ...' or POST /v1/containers"
 
@@ -76,11 +76,25 @@ VOLUME = Struct({"Name": STR, "Driver": STR, "DriverOpts": Map(STR)})
 
 
 @dataclass(frozen=True)
+class DefaultRuntime:
+    """What the guard knows of the engine's default runtime: every name that may be in force, and its trouble.
+
+    ``problem`` is why a container holding no grant may not use it (it hands out GPUs by environment, or
+    the guard cannot tell what it is); None when it is known to be plain or fenced.
+    """
+
+    names: frozenset[str] = frozenset()
+    problem: str | None = "the guard does not know the engine's default runtime"
+
+
+@dataclass(frozen=True)
 class Policy:
     """What this node allows: the GPU majors, runtimes, and the most a hook request may ask for."""
 
     majors: frozenset[int] = STATIC_MAJORS
-    runtimes: frozenset[str] = PLAIN_RUNTIMES
+    #: runtimes a create may name besides the engine's default
+    runtimes: frozenset[str] = FENCED_RUNTIMES
+    default: DefaultRuntime = DefaultRuntime()
     #: the highest ``GPUMGR_REQUEST_PRIORITY`` a container asking through the runtime hook may carry
     hook_max_priority: int = 0
     #: the most ``GPUMGR_REQUEST_MEMORY`` it may ask (bytes); None: no limit beyond the manager's
@@ -120,9 +134,7 @@ def create_reasons(create: dict[str, Any], policy: Policy, *, granted: bool = Fa
                                   *requests_reasons(host.get("DeviceRequests"))]
     if host.get("Privileged") is True:
         reasons.append("HostConfig.Privileged gives the container every device of the host, GPUs included")
-    runtime = host.get("Runtime") or ""
-    if runtime not in policy.runtimes:
-        reasons.append(f"HostConfig.Runtime {runtime!r} is not a plain runtime (it may add GPUs)")
+    reasons += runtime_reasons(str(host.get("Runtime") or ""), policy, granted=granted)
     reasons += devices_reasons(host.get("Devices"), policy)
     reasons += rules_reasons(host.get("DeviceCgroupRules"), policy)
     reasons += privilege.cap_reasons(host.get("CapAdd"), "HostConfig.CapAdd", policy.cap_add)
@@ -138,6 +150,34 @@ def self_reasons(create: dict[str, Any], policy: Policy) -> list[str]:
     own = Policy(majors=frozenset(), guarded=tuple(path for path in policy.guarded if not path.startswith("/dev")))
     reasons = [*binds_reasons(host.get("Binds"), own), *mounts_reasons(host.get("Mounts"), "HostConfig.Mounts", own)]
     return [reason for reason in reasons if "GPU device" not in reason]
+
+
+def runtime_reasons(runtime: str, policy: Policy, *, granted: bool = False) -> list[str]:
+    """Why a create may not use ``runtime`` ('' is the engine's default): one that skips gpumgr's hook.
+
+    Named outright, a runtime passes if it is fenced or listed (``policy.runtimes``) or is the engine's
+    default in every state the guard may find it in; the default itself (named or not) passes for a
+    container holding a grant, or when it is known to give no GPU by environment.
+    """
+    if runtime in policy.runtimes:
+        return []
+    default = policy.default
+    if runtime and not (default.names and all(_same_runtime(runtime, name) for name in default.names)):
+        return [f"HostConfig.Runtime {runtime!r} is neither the engine's default runtime ({_names(default)}) nor "
+                f"one this node lists ({', '.join(sorted(policy.runtimes))}, guard_runtimes): it would skip "
+                "gpumgr's runtime hook"]
+    if granted or default.problem is None:
+        return []
+    return [f"HostConfig.Runtime {runtime or '(the default)'!r}: {default.problem}, so only a container holding a "
+            "gpumgr grant may use it"]
+
+
+def _same_runtime(a: str, b: str) -> bool:
+    return a == b or (a in STOCK_RUNTIMES and b in STOCK_RUNTIMES)
+
+
+def _names(default: DefaultRuntime) -> str:
+    return ", ".join(sorted(default.names)) or "not known"
 
 
 def update_reasons(update: dict[str, Any], policy: Policy) -> list[str]:
@@ -214,7 +254,7 @@ def devices_reasons(devices: Any, policy: Policy) -> list[str]:
     reasons = []
     for device in devices or []:
         path = str((device or {}).get("PathOnHost") or "")
-        problem = _cdi_problem(path) or path_problem(path, policy, deep=True)
+        problem = _cdi_problem(path) or device_problem(path, policy)
         if problem:
             reasons.append(f"HostConfig.Devices {path!r} {problem}")
     return reasons
@@ -258,11 +298,10 @@ def mounts_reasons(mounts: Any, where: str, policy: Policy) -> list[str]:
     return reasons
 
 
-def path_problem(path: str, policy: Policy, *, deep: bool = False) -> str | None:
-    """Why the host path ``path`` may not go into a container, or None; links are followed.
+def path_problem(path: str, policy: Policy) -> str | None:
+    """Why the host path ``path`` may not be bound into a container, or None; links are followed.
 
-    With ``deep`` (a device) a directory is searched for GPU nodes, as the engine adds every device
-    under a directory; a bound directory is not (a node in it stays closed by the device rules).
+    A bound directory is not searched for GPU nodes: a node in it stays closed by the device rules.
     """
     if path.startswith(GPU_NODE_PREFIXES):
         return "is a GPU device"
@@ -274,44 +313,40 @@ def path_problem(path: str, policy: Policy, *, deep: bool = False) -> str | None
             return f"holds {guarded}" if real != guarded else "is guarded"
         if real.startswith(guarded + "/"):
             return f"is inside {guarded}"
-    return _device_problem(Path(real), policy, deep)
+    return _gpu_node(real, policy)
 
 
-def _device_problem(path: Path, policy: Policy, deep: bool) -> str | None:
+def device_problem(path: str, policy: Policy) -> str | None:
+    """Why ``--device`` ``path`` may not go into a container: anything but a character device under /dev that is no GPU.
+
+    The engine looks the path up again at every start (restarts by policy included, which no plugin
+    sees), so a path that is missing, outside /dev or leads out of it could be a GPU by then.
+    """
+    if path.startswith(GPU_NODE_PREFIXES):
+        return "is a GPU device"
+    real = os.path.realpath(path)
+    if real.startswith(GPU_NODE_PREFIXES):
+        return f"is a GPU device ({real})"
+    if not real.startswith("/dev/"):
+        return (f"is not under /dev ({real}): the engine looks it up again at every start, when it may be a GPU; "
+                "only character devices under /dev may be added")
     try:
-        info = path.stat()
+        info = os.stat(real)
     except OSError:
-        return None  # nothing there: the engine makes an empty folder (bind) or fails (device)
-    if stat.S_ISCHR(info.st_mode):
-        return f"is a GPU device (major {os.major(info.st_rdev)})" if os.major(info.st_rdev) in policy.majors else None
-    if not deep or not stat.S_ISDIR(info.st_mode):
-        return None
-    seen = 0
-    for entry in _walk(path):
-        seen += 1
-        if seen > MAX_SCAN:
-            return f"holds more than {MAX_SCAN} entries to check"
-        try:
-            entry_info = entry.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        if stat.S_ISCHR(entry_info.st_mode) and os.major(entry_info.st_rdev) in policy.majors:
-            return f"holds the GPU device {entry.path}"
+        return "does not exist: the engine looks it up again at every start, when it may be a GPU"
+    if not stat.S_ISCHR(info.st_mode):
+        return "is not a character device (a folder's devices may change before the engine adds them)"
+    return _gpu_node(real, policy)
+
+
+def _gpu_node(path: str, policy: Policy) -> str | None:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None  # nothing there: the engine makes an empty folder for a bind
+    if stat.S_ISCHR(info.st_mode) and os.major(info.st_rdev) in policy.majors:
+        return f"is a GPU device (major {os.major(info.st_rdev)})"
     return None
-
-
-def _walk(path: Path) -> Iterable[os.DirEntry[str]]:
-    """Every entry below ``path`` (the engine adds a folder's devices recursively)."""
-    pending = [path]
-    while pending:
-        try:
-            with os.scandir(pending.pop()) as entries:
-                for entry in entries:
-                    yield entry
-                    if entry.is_dir(follow_symlinks=False):
-                        pending.append(Path(entry.path))
-        except OSError:
-            continue
 
 
 def _cdi_problem(path: str) -> str | None:
