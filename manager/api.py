@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shlex
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, cast
 
 from flask import Blueprint, Response, current_app, g, jsonify, request
@@ -22,6 +23,8 @@ from pydantic import (
     WithJsonSchema,
 )
 
+from gpumgr.manager.idempotency import HEADER, read_key
+from gpumgr.manager.idempotent import Idempotency
 from gpumgr.manager.lookup import resolve
 from gpumgr.manager.nodes_cache import NodesCache
 from gpumgr.manager.policy import admit
@@ -190,8 +193,21 @@ def principal() -> Principal:
 
 @bp.post("/containers")
 def create_container() -> tuple[Response, int]:
-    """Place and start a container: 201 with its record once it runs, or 202 while it waits in the queue."""
-    body = _validated(CreateContainer)
+    """Place and start a container: 201 with its record once it runs, or 202 while it waits in the queue.
+
+    With an ``Idempotency-Key`` header it runs at most once per key (:mod:`gpumgr.manager.idempotent`).
+    """
+    key = read_key(request.headers.get(HEADER))
+    create = _creation(_validated(CreateContainer))
+    if key is None:
+        record, status = create()
+        return jsonify(record), status
+    keys = cast(Idempotency, current_app.extensions["gpumgr.idempotency"])
+    return keys.respond(key, principal(), "POST /v1/containers", request.get_json(), create)
+
+
+def _creation(body: CreateContainer) -> Callable[[], tuple[dict[str, Any], int]]:
+    """Check ``body`` against tenants, policy and the wire's bounds (4xx), and return the create to run."""
     tenant = manager().acting_as(principal(), body.tenant)
     ceiling = tenant.priority if tenant is not None else None
     priority = body.priority if body.priority is not None else (ceiling or 0)
@@ -212,8 +228,7 @@ def create_container() -> tuple[Response, int]:
         on_overrun=body.on_overrun or settings.on_overrun, priority=priority, preemptible=body.preemptible,
         run=run.given(), constraints=body.constraints,
     )
-    record, status = manager().create(spec, queue=body.queue, queue_timeout=body.queue_timeout, tenant=tenant)
-    return jsonify(record), status
+    return lambda: manager().create(spec, queue=body.queue, queue_timeout=body.queue_timeout, tenant=tenant)
 
 
 @bp.get("/containers")

@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import HTTPException
 
 from gpumgr.manager import api, containers_io, dashboard, forward, openapi
+from gpumgr.manager.idempotent import Idempotency
 from gpumgr.manager.nodes_cache import NodesCache
 from gpumgr.manager.service import Manager
 from gpumgr.manager.tenants import TenantBook
@@ -28,6 +29,7 @@ def create_app(manager: Manager, test_config: dict[str, Any] | None = None) -> F
     app.config.update(test_config or {})
     app.extensions["gpumgr.manager"] = manager
     app.extensions["gpumgr.nodes"] = NodesCache(manager.cluster)
+    app.extensions["gpumgr.idempotency"] = Idempotency(manager)
     app.register_blueprint(api.bp)
     app.register_blueprint(containers_io.bp)
     app.register_blueprint(dashboard.bp)

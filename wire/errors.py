@@ -149,3 +149,19 @@ class PolicyDenied(GpumgrError):
         if sep and rule.endswith(")"):
             return cls(text, rule=rule[:-1])
         return cls(message, rule="unknown")
+
+
+class InProgress(GpumgrError):
+    """A request with this ``Idempotency-Key`` is still being carried out; ask again in a moment for its answer."""
+
+    code = "in_progress"
+    status = 409
+    retry_after = 1
+
+
+class IdempotencyMismatch(GpumgrError):
+    """This ``Idempotency-Key`` was used before with another request (body or route): use a new key for a new
+    request."""
+
+    code = "idempotency_mismatch"
+    status = 422
