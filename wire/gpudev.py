@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpumgr.wire import privilege
+from gpumgr.wire import devpath, privilege
 from gpumgr.wire.gojson import ANY, BOOL, STR, Map, Slice, Struct
 from gpumgr.wire.names import LABEL_PREFIX, Env
 
@@ -254,7 +254,7 @@ def devices_reasons(devices: Any, policy: Policy) -> list[str]:
     reasons = []
     for device in devices or []:
         path = str((device or {}).get("PathOnHost") or "")
-        problem = _cdi_problem(path) or device_problem(path, policy)
+        problem = _cdi_problem(path) or devpath.device_problem(path, policy.majors, GPU_NODE_PREFIXES)
         if problem:
             reasons.append(f"HostConfig.Devices {path!r} {problem}")
     return reasons
@@ -313,30 +313,7 @@ def path_problem(path: str, policy: Policy) -> str | None:
             return f"holds {guarded}" if real != guarded else "is guarded"
         if real.startswith(guarded + "/"):
             return f"is inside {guarded}"
-    return _gpu_node(real, policy)
-
-
-def device_problem(path: str, policy: Policy) -> str | None:
-    """Why ``--device`` ``path`` may not go into a container: anything but a character device under /dev that is no GPU.
-
-    The engine looks the path up again at every start (restarts by policy included, which no plugin
-    sees), so a path that is missing, outside /dev or leads out of it could be a GPU by then.
-    """
-    if path.startswith(GPU_NODE_PREFIXES):
-        return "is a GPU device"
-    real = os.path.realpath(path)
-    if real.startswith(GPU_NODE_PREFIXES):
-        return f"is a GPU device ({real})"
-    if not real.startswith("/dev/"):
-        return (f"is not under /dev ({real}): the engine looks it up again at every start, when it may be a GPU; "
-                "only character devices under /dev may be added")
-    try:
-        info = os.stat(real)
-    except OSError:
-        return "does not exist: the engine looks it up again at every start, when it may be a GPU"
-    if not stat.S_ISCHR(info.st_mode):
-        return "is not a character device (a folder's devices may change before the engine adds them)"
-    return _gpu_node(real, policy)
+    return devpath.dev_folder_problem(real) or _gpu_node(real, policy)
 
 
 def _gpu_node(path: str, policy: Policy) -> str | None:
