@@ -37,10 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from gpumgr.plugin import install
+from gpumgr.plugin.daemon_config import RUNTIME_NAME, parse_daemon_json
 from gpumgr.plugin.daemon_config import Refused as DaemonRefused
-from gpumgr.plugin.daemon_config import parse_daemon_json
 from gpumgr.plugin.engine import signal_reload
 from gpumgr.plugin.files import Change, apply, mode_of, read_bytes, sha256_of
+from gpumgr.wire import engine_runtime
 
 PLUGIN = "gpumgr-guard"
 UNIT_NAME = f"{PLUGIN}.service"
@@ -158,31 +159,47 @@ def _write_unit(args: argparse.Namespace, unit: Path) -> str:
     return f"wrote the guard's unit {unit} (start it before the engine: systemctl enable --now {UNIT_NAME})"
 
 
-def _check_engine_flags(pidfile: Path) -> None:
-    """Refuse when dockerd runs with ``--authorization-plugin``: the same setting in daemon.json stops it."""
+def _dockerd_argv(pidfile: Path) -> list[str] | None:
+    """The running dockerd's command line (None when no engine runs)."""
     try:
         argv = Path(f"/proc/{int(pidfile.read_text().strip())}/cmdline").read_bytes().split(b"\0")
     except (OSError, ValueError):
+        return None
+    return [arg.decode(errors="replace") for arg in argv if arg]
+
+
+def _check_engine_flags(pidfile: Path) -> None:
+    """Refuse when dockerd runs with ``--authorization-plugin``: the same setting in daemon.json stops it."""
+    argv = _dockerd_argv(pidfile)
+    if argv is None:
         return  # no running engine to check: daemon.json alone decides
-    if any(arg.startswith(b"--authorization-plugin") for arg in argv):
+    if any(arg.startswith("--authorization-plugin") for arg in argv):
         raise Refused("dockerd was started with --authorization-plugin; naming a plugin in daemon.json as well "
                       "stops it from starting: remove the flag (and add gpumgr-guard there instead) or leave "
                       "authorization plugins to the flags")
 
 
 def _check_default_runtime(args: argparse.Namespace) -> None:
-    """Refuse to guard a node whose default runtime hands every CUDA image its GPUs (the image's own ENV)."""
-    if not args.no_default_runtime:
+    """Refuse to guard a node whose default runtime hands every CUDA image its GPUs (the image's own ENV).
+
+    Judged by what the runtime is (its path, links, wrapper script, arguments), not its name, and
+    with dockerd's ``--default-runtime`` flag, which overrides what install writes, counted.
+    """
+    flags = engine_runtime.parse_flags(["dockerd", *(_dockerd_argv(Path(args.dockerd_pidfile)) or [])[1:]])
+    if not args.no_default_runtime and not flags.get("--default-runtime"):
         return  # gpumgr's hook becomes the default: an image's NVIDIA_VISIBLE_DEVICES gets plain runc
     try:
-        config = json.loads(Path(args.daemon_config).read_text())
-    except (OSError, ValueError):
-        return  # the plain install reports a malformed file; a missing one names no default runtime
-    default = str(config.get("default-runtime") or "") if isinstance(config, dict) else ""
-    if "nvidia" in default:
-        raise Refused(f"the engine's default runtime is {default!r}, which gives every CUDA image (its ENV sets "
-                      "NVIDIA_VISIBLE_DEVICES) all GPUs whatever the guard says: install without "
-                      "--no-default-runtime so gpumgr's hook is the default")
+        config = parse_daemon_json(read_bytes(Path(args.daemon_config)), Path(args.daemon_config))
+        settings = engine_runtime.engine_settings(flags, config)
+    except (DaemonRefused, ValueError):
+        return  # the plain install reports a malformed file
+    default = settings.default_runtime
+    why = None if default == RUNTIME_NAME else engine_runtime.gpu_by_env(default, settings.runtimes)
+    if why:
+        raise Refused(f"the engine's default runtime is {default!r} ({why}), which gives every CUDA image (its ENV "
+                      "sets NVIDIA_VISIBLE_DEVICES) all GPUs whatever the guard says: install without "
+                      "--no-default-runtime (and without dockerd's --default-runtime flag) so gpumgr's hook is "
+                      "the default")
 
 
 def _probe(path: str) -> None:
