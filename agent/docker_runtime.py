@@ -21,6 +21,7 @@ from gpumgr.agent.docker_events import EngineEvents, caller_code, exit_code_of, 
 from gpumgr.agent.docker_run import create_options, read_logs
 from gpumgr.agent.guard_client import ticket_labels
 from gpumgr.agent.hook_limits import HookLimits
+from gpumgr.agent.image_record import requested
 from gpumgr.agent.logfollow import Followers
 from gpumgr.agent.runtime import (
     ChangeCallback,
@@ -257,7 +258,7 @@ class DockerRuntime(EngineEvents):
         if summary.get("State") == "running":
             raise InvalidRequest(f"container {request.container_id[:12]} is already running")
         attrs = self._engine_record(request.container_id)
-        env = dict(item.split("=", 1) for item in attrs["Config"].get("Env") or [] if "=" in item)
+        env, engine_labels = requested(attrs, str(self._engine_root))  # issue 32: what the image brought is ignored
         try:
             memory, gpus = parse_bytes(env[Env.REQUEST_MEMORY]), int(env.get(Env.REQUEST_GPUS, "1"))
             labels = {label: env[var] for var, label in TASK_LABELS.items() if env.get(var)}
@@ -271,7 +272,7 @@ class DockerRuntime(EngineEvents):
                               constraints=task_constraints(env.get(Env.REQUEST_CONSTRAINTS)))
         except (KeyError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
             raise InvalidRequest(f"container {request.container_id[:12]} asks for no valid GPU memory: {exc}") from None
-        return self.hook_limits.apply(reserve, attrs["Config"].get("Labels"))  # issue 22: a plain run is no operator
+        return self.hook_limits.apply(reserve, engine_labels)  # issue 22: a plain run is no operator
 
     def _engine_record(self, container_id: str) -> dict[str, Any]:
         """What the engine wrote for ``container_id`` when it was created; InvalidRequest if it cannot be read."""

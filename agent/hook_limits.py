@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gpumgr.wire.errors import InvalidRequest
+from gpumgr.wire.names import Env
 from gpumgr.wire.protocol import Reserve
 
 #: The label Swarm's executor writes on every task container (a plain create may not carry it).
@@ -25,10 +27,19 @@ class HookLimits:
 
     tenant: str | None = None
     max_priority: int = 0
+    #: the most GPU memory a plain run may ask (``hook_max_memory``); None: the manager's limits alone
+    max_memory: int | None = None
 
     def apply(self, request: Reserve, engine_labels: dict[str, Any] | None) -> Reserve:
-        """``request`` as the manager may grant it: unchanged for a Swarm task, limited for a plain run."""
+        """``request`` as the manager may grant it: unchanged for a Swarm task, limited for a plain run.
+
+        A plain run asking for more memory than ``max_memory`` is refused (InvalidRequest), not cut down:
+        a grant smaller than the container expects would only end in its kill.
+        """
         if (engine_labels or {}).get(SWARM_TASK_LABEL):
             return request
+        if self.max_memory is not None and request.gpu_memory > self.max_memory:
+            raise InvalidRequest(f"{Env.REQUEST_MEMORY} asks for {request.gpu_memory} bytes: this node lets a "
+                                 f"container that is no Swarm task ask for at most {self.max_memory} (hook_max_memory)")
         return request.model_copy(update={"priority": min(request.priority, self.max_priority),
                                           "tenant": self.tenant or ""})

@@ -391,7 +391,8 @@ def build_agent(settings: AgentSettings) -> Any:
                             device_requests=settings.device_requests, gpu_kind=source.kind,
                             log_dir=settings.process_log_dir, mps=settings.mps, node=settings.node,
                             state_dir=identity.folder, guard_control=settings.guard_control,
-                            hook_limits=HookLimits(settings.hook_tenant, settings.hook_max_priority),
+                            hook_limits=HookLimits(settings.hook_tenant, settings.hook_max_priority,
+                                                   settings.hook_max_memory),
                             policy=settings.policy)
     hook = settings.hook_socket if runtime.kind == "docker" else None
     agent = Agent(settings.node, settings.manager, source, runtime, identity,
