@@ -13,6 +13,7 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import docker
 
@@ -24,12 +25,18 @@ DOCKERD_START = 60.0
 
 
 class GuardEngine:
-    """``dockerd --authorization-plugin=PLUGIN`` (or no plugin) in a temporary directory."""
+    """``dockerd --authorization-plugin=PLUGIN`` (or no plugin) in a temporary directory.
 
-    def __init__(self, image_tar: bytes, plugin: str | None) -> None:
+    ``daemon`` replaces the daemon.json written (a plain-runc ``nvidia`` runtime), ``flags`` are added to dockerd's.
+    """
+
+    def __init__(self, image_tar: bytes, plugin: str | None, daemon: dict[str, Any] | None = None,
+                 flags: tuple[str, ...] = ()) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="gpumgr-gd-"))
         self.socket = self.dir / "docker.sock"
         self.plugin = plugin
+        self.daemon = daemon if daemon is not None else {"runtimes": {"nvidia": {"path": "runc"}}}
+        self.flags = flags
         self.env = {**os.environ, "DOCKER_HOST": f"unix://{self.socket}", "DOCKER_CONFIG": str(self.dir / "cfg")}
         self.start()
         self.docker("import", "-", IMAGE, input=image_tar)
@@ -39,12 +46,13 @@ class GuardEngine:
     def start(self) -> None:
         """Start dockerd and wait until it answers."""
         self._log = open(self.dir / "dockerd.log", "ab")  # noqa: SIM115 - closed in stop()
-        (self.dir / "daemon.json").write_text(json.dumps({"runtimes": {"nvidia": {"path": "runc"}}}))
+        (self.dir / "daemon.json").write_text(json.dumps(self.daemon))
         plugin = [f"--authorization-plugin={self.plugin}"] if self.plugin else []
         self.proc = subprocess.Popen(
             ["dockerd", "--bridge=none", "--iptables=false", "--ip-masq=false", "-H", f"unix://{self.socket}",
              "--data-root", str(self.dir / "data"), "--exec-root", str(self.dir / "exec"),
-             "--pidfile", str(self.dir / "docker.pid"), "--config-file", str(self.dir / "daemon.json"), *plugin],
+             "--pidfile", str(self.dir / "docker.pid"), "--config-file", str(self.dir / "daemon.json"),
+             *plugin, *self.flags],
             env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         wait_for(self._answers, DOCKERD_START, interval=0.2, what="the test dockerd to answer")
 
