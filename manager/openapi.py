@@ -16,6 +16,7 @@ from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from gpumgr.manager import api
 from gpumgr.manager.containers_io import MULTIPLEXED
+from gpumgr.manager.idempotency import HEADER, KEY_PATTERN, MAX_KEY
 from gpumgr.wire import defaults
 from gpumgr.wire.names import State
 from gpumgr.wire.runspec import SIGNAL
@@ -277,9 +278,11 @@ ERRORS = {
          "by the operator's policy (policy_denied, naming the rule)",
     404: "no such container or node (or another tenant's)",
     409: "no GPU can hold the request (no_fit, never_fits), the queue is full, the node is up, a shrink "
-         "below usage without force (below_usage), a name or id prefix that several containers match, or a "
-         "container not running (conflict)",
+         "below usage without force (below_usage), a name or id prefix that several containers match, a "
+         "container not running (conflict), or the request of this Idempotency-Key is still being carried out "
+         "(in_progress, with Retry-After)",
     413: "the body is over 1 MiB",
+    422: "this Idempotency-Key was used with another request (idempotency_mismatch): use a new key",
     502: "the agent could not do it (agent_failed), or nobody knows whether it was done (outcome_unknown: it was "
          "sent and not answered, or leadership changed meanwhile): look before retrying, or resend with the same "
          "Idempotency-Key",
@@ -327,6 +330,13 @@ def document() -> dict[str, Any]:
         return {"name": name, "in": "path", "required": True, "description": text, "schema": {"type": "string"}}
 
     cid = path("cid", "the container's id (the grant's), its name, or a prefix of its id only it has")
+    idempotency_key = {
+        "name": HEADER, "in": "header", "required": False,
+        "description": "runs the create at most once per key (a UUID is a good key): a repeat gets the first "
+                       "answer again (with Idempotent-Replayed: true), 409 in_progress while it runs, 422 with "
+                       "another body; keys are per tenant and kept 24 h. Resend with the same key after a "
+                       "connection error or 502 outcome_unknown",
+        "schema": {"type": "string", "minLength": 1, "maxLength": MAX_KEY, "pattern": KEY_PATTERN.pattern}}
     states = [s.value for s in State]
     paths = {
         "/healthz": {"get": operation("Liveness and how many nodes are ready", (200, Health, "serving"), (),
@@ -338,7 +348,8 @@ def document() -> dict[str, Any]:
         "/v1/containers": {
             "post": operation("Place and start a container; 201 once it runs, 202 while it waits in the queue",
                               (201, ContainerRecord, "running, with its grant"),
-                              (400, 403, 409, 413, 502, 503), body=api.CreateContainer, op_id="createContainer",
+                              (400, 403, 409, 413, 422, 502, 503), body=api.CreateContainer,
+                              op_id="createContainer", params=[idempotency_key],
                               also=(202, ContainerRecord, "queued: placed and started as soon as room frees")),
             "get": operation("Every container record, oldest first", (200, ContainerList, "the records"), (400,),
                              params=[query("state", "only records in this state", enum=states),
