@@ -21,6 +21,7 @@ import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from gpumgr import client_keyed as keyed
 from gpumgr.client_http import (
     API,
     DEFAULT_URL,
@@ -137,13 +138,18 @@ class ContainerCollection:
         ``node``, ``placement``, ``on_overrun``, ``tenant``, ``priority``, ``preemptible``, ``queue``,
         ``queue_timeout``, and how it runs (``mounts``, ``ports``, ``network``, ...). With ``queue=True``
         a request that does not fit now comes back with state ``queued`` and starts as soon as room frees.
+
+        It runs at most once: it is sent with an ``Idempotency-Key`` (``idempotency_key``, or a new one) and
+        resent with it while its outcome is unknown (:mod:`gpumgr.client_keyed`); if it stays unknown,
+        :class:`~gpumgr.wire.errors.OutcomeUnknown` is raised: look before running it again.
         """
+        key = options.pop("idempotency_key", None)
         body: dict[str, Any] = {"gpu_memory": gpu_memory, "gpus": gpus, **options}
         if image is not None:
             body["image"] = image
         if command is not None:
             body["command"] = command if isinstance(command, str) else list(command)
-        return self._record(self.api.call("POST", "/v1/containers", body=body))
+        return self._record(keyed.create(self.api, body, key))
 
     def list(self, *, state: str | None = None, node: str | None = None, tenant: str | None = None,
              service: str | None = None) -> list[Container]:

@@ -25,10 +25,13 @@ from gpumgr.wire.errors import (
     Forbidden,
     GpuConflict,
     GpumgrError,
+    IdempotencyMismatch,
+    InProgress,
     InvalidRequest,
     NoAgents,
     NoFit,
     NotFound,
+    OutcomeUnknown,
     PolicyDenied,
     QuotaExceeded,
 )
@@ -38,6 +41,8 @@ DEFAULT_URL = "http://127.0.0.1:9400"
 TIMEOUT = defaults.CLI_TIMEOUT
 #: Methods that may be sent again (to the same or the next URL) when a connection broke after sending.
 IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE"})
+#: A request header that makes a POST safe to send again (the manager runs it at most once per key).
+KEY_HEADER = "Idempotency-Key"
 #: An error answer's body is read up to this many bytes.
 MAX_ERROR_BODY = 1 << 16
 
@@ -67,10 +72,13 @@ class NeverFits(NoFit):
 #: Which class an error answer's ``code`` becomes; an unknown code falls back on its HTTP status.
 ERRORS_BY_CODE: dict[str, type[GpumgrError]] = {
     cls.code: cls for cls in (InvalidRequest, NotFound, Forbidden, QuotaExceeded, NoFit, NeverFits, Conflict,
-                              GpuConflict, NoAgents, AgentFailed, AgentTimeout, PolicyDenied, Unauthorized)}
+                              GpuConflict, NoAgents, AgentFailed, AgentTimeout, PolicyDenied, Unauthorized,
+                              OutcomeUnknown, InProgress, IdempotencyMismatch)}
+#: By status, when the code is not one of ours: a 502 whose code is not ``agent_failed`` (a proxy's Bad Gateway)
+#: says nothing about whether the request was carried out.
 ERRORS_BY_STATUS: dict[int, type[GpumgrError]] = {400: InvalidRequest, 401: Unauthorized, 403: Forbidden,
-                                                  404: NotFound, 409: Conflict, 502: AgentFailed, 503: NoAgents,
-                                                  504: AgentTimeout}
+                                                  404: NotFound, 409: Conflict, 422: InvalidRequest,
+                                                  502: OutcomeUnknown, 503: NoAgents, 504: AgentTimeout}
 
 
 def api_error(status: int, body: bytes) -> GpumgrError:
@@ -149,10 +157,14 @@ class API:
         return self.targets[self.current].url
 
     def call(self, method: str, path: str, *, params: Mapping[str, str] | None = None, body: Any = None,
-             timeout: float | None = None) -> Any:
-        """One call; its JSON answer. Goes on to the next URL when one cannot be connected to."""
+             timeout: float | None = None, headers: Mapping[str, str] | None = None) -> Any:
+        """One call; its JSON answer. Goes on to the next URL when one cannot be connected to.
+
+        A POST with an ``Idempotency-Key`` in ``headers`` is sent again, as a GET is, when its connection broke.
+        """
         data = None if body is None else json.dumps(body).encode()
-        headers = self._headers({"Content-Type": "application/json"} if data is not None else {})
+        headers = self._headers({**({"Content-Type": "application/json"} if data is not None else {}),
+                                 **(headers or {})})
         failures: list[str] = []
         for index in self._order():
             target = self.targets[index]
@@ -161,7 +173,7 @@ class API:
                                                  timeout or self.timeout)
             except _Broken as exc:
                 failures.append(f"{target.url} ({exc})")
-                if exc.sent and method not in IDEMPOTENT:
+                if exc.sent and not _resendable(method, headers):
                     raise ManagerUnreachable(f"the connection to {target.url} broke during {method} {path} "
                                              f"({exc}); whether it was carried out is unknown") from None
                 continue
@@ -247,7 +259,7 @@ class API:
         if kept is not None and (kept[0] is not target or _dropped(kept[1])):
             kept[1].close()
             kept = None
-        retry = method in IDEMPOTENT  # a create sent on a connection that broke may have been carried out
+        retry = _resendable(method, headers)  # a create sent on a connection that broke may have been carried out
         for reused in ((True, False) if kept is not None and retry else (kept is not None,)):
             conn = kept[1] if reused and kept is not None else target.connect(timeout)
             self._local.conn = (target, conn)
@@ -292,6 +304,11 @@ class _Closing:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _resendable(method: str, headers: Mapping[str, str]) -> bool:
+    """Whether a call whose connection broke after sending may be sent again: the manager runs it at most once."""
+    return method in IDEMPOTENT or KEY_HEADER in headers
 
 
 def _dropped(conn: http.client.HTTPConnection) -> bool:

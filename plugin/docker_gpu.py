@@ -13,11 +13,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from gpumgr import client_keyed
 from gpumgr.client import Client, ManagerUnreachable, Stream
 from gpumgr.plugin.placement import NOTHING, Wanted, allowed_sizes, swarm_constraints, take_constraints
 from gpumgr.wire import defaults
 from gpumgr.wire.constraints import NO_CONSTRAINTS, Constraints
-from gpumgr.wire.errors import GpumgrError
+from gpumgr.wire.errors import GpumgrError, OutcomeUnknown
 from gpumgr.wire.names import LIVE, Env, Label
 from gpumgr.wire.units import format_bytes, parse_bytes
 
@@ -26,6 +27,8 @@ METADATA = {"SchemaVersion": "0.1.0", "Vendor": "gpumgr", "Version": "0.2.0",
 DEFAULT_MANAGER = "http://127.0.0.1:9400"
 CONFIG_PATH = "~/.config/gpumgr/plugin.yaml"
 TIMEOUT = defaults.CLI_TIMEOUT
+#: ``docker gpu run`` when nobody knows whether the container was created: ``docker run``'s own failure code.
+EXIT_UNKNOWN = 125
 #: Swarm expands these templates per task; the runtime hook reads them when the task's container is created.
 TASK_TEMPLATES = {Env.TASK: "{{.Task.ID}}", Env.TASK_NAME: "{{.Task.Name}}",
                   Env.SERVICE: "{{.Service.Name}}", Env.SLOT: "{{.Task.Slot}}"}
@@ -162,6 +165,21 @@ class Manager:
         """One REST call; its JSON answer."""
         try:
             return self.client.api.call(method, path, params=params, body=json_body)
+        except GpumgrError as exc:
+            raise _plugin_error(exc) from None
+
+    def create(self, body: dict[str, Any]) -> Any:
+        """``POST /v1/containers`` run at most once (an ``Idempotency-Key``, resent while the outcome is unknown).
+
+        When it stays unknown, the PluginError (exit 125) tells the user to look before running it again.
+        """
+        try:
+            return client_keyed.create(self.client.api, body)
+        except OutcomeUnknown as exc:
+            which = f"a container named {body['name']!r}" if body.get("name") else "a new container"
+            raise PluginError(f"{exc.message}. The manager may have started {which}: check with 'docker gpu ps' "
+                              "(or 'docker gpu logs NAME') before running it again (outcome_unknown)",
+                              EXIT_UNKNOWN) from None
         except GpumgrError as exc:
             raise _plugin_error(exc) from None
 

@@ -5,7 +5,9 @@ that gpumgr does not offer is refused by name, never ignored. Without ``-d`` the
 the container's output is streamed from its node (stdout to stdout, stderr to stderr), signals are
 passed on to the container as ``docker run``'s signal proxy does, and the command exits with the
 container's exit code. Its own failures exit 125, as ``docker run``'s do (126 and 127 when the
-command cannot be run or found).
+command cannot be run or found). The create runs at most once: it carries an ``Idempotency-Key`` and is
+resent with it while its outcome is unknown (a broken connection, 502 ``outcome_unknown``); if it stays
+unknown, the command exits 125 and says to look (``docker gpu ps``) before running it again.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def run_container(client: Any, argv: list[str], error: type[Exception]) -> int:
     if args.rm and not args.detach:
         body.pop("auto_remove", None)  # attached: removed here once its output is read, not by the engine at exit
     try:
-        record = client.call("POST", "/v1/containers", json_body=body)
+        record = client.create(body)  # at most once: keyed, and resent while its outcome is unknown
     except error as exc:
         raise _exit_error(error, _cli_words(str(exc)), _exit_code_for(str(exc))) from None
     if args.detach:
