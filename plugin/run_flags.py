@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpumgr.wire.units import parse_bytes
+from gpumgr.wire.units import parse_bytes, parse_docker_bytes
 
 #: ``docker run`` flags refused by name, and why.
 REFUSED = {
@@ -98,8 +98,8 @@ def build_request(args: argparse.Namespace, error: type[Exception]) -> dict[str,
               "ipc_mode": args.ipc, "pid_mode": args.pid, "working_dir": args.workdir, "user": args.user,
               "stop_signal": args.stop_signal,
               "entrypoint": None if args.entrypoint is None else [args.entrypoint] if args.entrypoint else [],
-              "shm_size": _size(args.shm_size, error) if args.shm_size else None,
-              "mem_limit": _size(args.memory, error) if args.memory else None,
+              "shm_size": _size(args.shm_size, error, parse_docker_bytes) if args.shm_size is not None else None,
+              "mem_limit": _size(args.memory, error, parse_docker_bytes) if args.memory is not None else None,
               "nano_cpus": _cpus(args.cpus, error) if args.cpus else None}
     body.update({k: v for k, v in simple.items() if v is not None})
     body.update({k: True for k in ("preemptible", "queue", "privileged") if getattr(args, k)})
@@ -120,9 +120,10 @@ def build_request(args: argparse.Namespace, error: type[Exception]) -> dict[str,
     return body
 
 
-def _size(text: str, error: type[Exception]) -> int:
+def _size(text: str, error: type[Exception], parse: Callable[[str], int] = parse_bytes) -> int:
+    """``text`` in bytes: gpumgr's units by default, ``parse_docker_bytes`` for the flags docker run reads itself."""
     try:
-        return parse_bytes(text)
+        return parse(text)
     except ValueError as exc:
         raise error(f"invalid size {text!r}: {exc}") from None
 

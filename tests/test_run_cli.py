@@ -94,9 +94,9 @@ def test_flags_reach_the_engine_as_docker_inspect_shows_them(stack, test_image, 
     assert record["state"] == "running" and record["name"] == "inspected"
     attrs = docker_client.api.inspect_container(record["container_id"])
     host, config = attrs["HostConfig"], attrs["Config"]
-    assert host["ShmSize"] == 10**9 and config["WorkingDir"] == "/tmp" and config["User"] == "1000:1000"
+    assert host["ShmSize"] == 2**30 and config["WorkingDir"] == "/tmp" and config["User"] == "1000:1000"
     assert config["Entrypoint"] == ["sleep"] and config["Cmd"] == ["300"]
-    assert host["NanoCpus"] == 1_500_000_000 and host["Memory"] == 256 * 10**6
+    assert host["NanoCpus"] == 1_500_000_000 and host["Memory"] == 256 * 2**20
     assert {"A=b", "FROM_FILE=1"} <= set(config["Env"]) and config["Labels"]["team"] == "ml"
     assert host["Ulimits"] == [{"Name": "nofile", "Soft": 512, "Hard": 1024}] and host["CapAdd"] == ["SYS_PTRACE"]
     assert host["PortBindings"]["8080/tcp"] == [{"HostIp": "127.0.0.1", "HostPort": "18081"}]

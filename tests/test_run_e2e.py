@@ -67,7 +67,7 @@ def test_the_spec_reaches_the_engine_as_asked(manager, docker_agent, docker_clie
     record = created.json()
     attrs = docker_client.api.inspect_container(record["container_id"])
     host, config = attrs["HostConfig"], attrs["Config"]
-    assert host["ShmSize"] == 10**9 and host["NanoCpus"] == 500_000_000 and host["Memory"] == 256 * 10**6
+    assert host["ShmSize"] == 2**30 and host["NanoCpus"] == 500_000_000 and host["Memory"] == 256 * 2**20
     assert config["WorkingDir"] == "/data" and config["User"] == "1000:1000" and config["Entrypoint"] == ["sh", "-c"]
     assert config["StopSignal"] == "SIGINT" and host["IpcMode"] == "shareable" and host["CapAdd"] == ["SYS_PTRACE"]
     # (memlock=-1, as NVIDIA's images run, needs an engine allowed to raise limits; this one may not be)
@@ -81,7 +81,7 @@ def test_the_spec_reaches_the_engine_as_asked(manager, docker_agent, docker_clie
     assert (end["state"], end["exit_code"]) == ("exited", 3)
     out = manager.get(f"/v1/containers/{record['id']}/logs").text
     assert "hello from the host" in out and "cannot-write" in out and "1000" in out and "nofile-512" in out
-    assert " 976564 " in out  # /dev/shm of 1 GB (10^9 bytes, rounded up to whole pages) in KiB, as df shows it
+    assert " 1048576 " in out  # /dev/shm of 1g (2^30 bytes, as docker run reads it) in KiB, as df shows it
     assert not (data / "new").exists()
 
 

@@ -122,9 +122,9 @@ def test_what_the_policy_allows_is_sent_to_the_node_with_the_policy(stack) -> No
     assert response.status_code == 502, response.json
     spec = creates(agent)[0]["spec"]
     run = spec["run"]
-    assert run["volumes"] == ["/data/sets:/d:ro", "cache:/cache"] and run["shm_size"] == 10**9
+    assert run["volumes"] == ["/data/sets:/d:ro", "cache:/cache"] and run["shm_size"] == 2**30
     assert run["entrypoint"] == ["python", "-u"] and run["ports"] == {"8080/tcp": 8080}
-    assert run["cap_add"] == ["SYS_PTRACE"] and run["mem_limit"] == 16 * 10**9
+    assert run["cap_add"] == ["SYS_PTRACE"] and run["mem_limit"] == 16 * 2**30
     assert spec["policy"]["bind_paths"] == {"/data": "ro", "/scratch": "rw"}
 
 

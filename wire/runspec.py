@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from gpumgr.wire.units import MAX_BYTES, parse_bytes
+from gpumgr.wire.units import MAX_BYTES, parse_docker_bytes
 
 #: Docker's own rule for volume and network names.
 NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,254}$")
@@ -67,8 +67,8 @@ def _absolute(value: str) -> str:
     return posixpath.normpath(value) if value != "//" else "/"
 
 
-def _size(value: Any) -> int:
-    return parse_bytes(value)
+def _docker_size(value: Any) -> int:
+    return parse_docker_bytes(value)
 
 
 def _words(value: Any) -> Any:
@@ -77,8 +77,9 @@ def _words(value: Any) -> Any:
 
 AbsPath = Annotated[StrictStr, AfterValidator(_absolute),
                     WithJsonSchema({"type": "string", "pattern": "^/", "maxLength": MAX_PATH})]
-Size = Annotated[int, BeforeValidator(_size), WithJsonSchema({"anyOf": [
-    {"type": "integer", "minimum": 1, "maximum": MAX_BYTES}, {"type": "string", "maxLength": 64}]})]
+#: A size as ``docker run`` reads it (``1g`` is 2³⁰ bytes); 0 leaves the engine's default.
+DockerSize = Annotated[int, BeforeValidator(_docker_size), WithJsonSchema({"anyOf": [
+    {"type": "integer", "minimum": 0, "maximum": MAX_BYTES}, {"type": "string", "maxLength": 128}]})]
 Word = Annotated[StrictStr, Field(max_length=MAX_PATH)]
 
 
@@ -210,14 +211,16 @@ class RunSpec(_Strict):
                                             description='container port → host port, e.g. {"80/tcp": 8080}')
     network: Namespace | None = Field(None, description="a network's name, none, host or container:NAME; "
                                       "wins over the node's default")
-    shm_size: Size | None = Field(None, description="size of /dev/shm, e.g. '1g'")
+    shm_size: DockerSize | None = Field(None, description="size of /dev/shm as docker run --shm-size reads it, e.g. "
+                                        "'1g' (2³⁰ bytes); 0: the engine's default (64 MiB)")
     ipc_mode: Namespace | None = None
     pid_mode: Namespace | None = None
     working_dir: AbsPath | None = None
     user: StrictStr | None = Field(None, pattern=USER.pattern, description="USER[:GROUP], names or ids")
     entrypoint: Annotated[list[Word] | None, BeforeValidator(_words)] = Field(None, max_length=4096)
     nano_cpus: StrictInt | None = Field(None, ge=1, le=MAX_NANO_CPUS, description="CPU quota in 1e-9 CPUs")
-    mem_limit: Size | None = Field(None, description="host memory limit, e.g. '16g'")
+    mem_limit: DockerSize | None = Field(None, description="host memory limit as docker run -m reads it, e.g. '16g' "
+                                         "(16 × 2³⁰ bytes); 0: no limit")
     ulimits: list[Ulimit] = Field(default_factory=list, max_length=len(ULIMITS))
     cap_add: list[Capability] = Field(default_factory=list, max_length=64)
     devices: list[Device] = Field(default_factory=list, max_length=MAX_LIST,
@@ -238,7 +241,7 @@ class RunSpec(_Strict):
 
     @model_validator(mode="after")
     def _check_together(self) -> RunSpec:
-        if self.mem_limit is not None and self.mem_limit < MIN_MEM_LIMIT:
+        if self.mem_limit and self.mem_limit < MIN_MEM_LIMIT:
             raise ValueError("mem_limit: Docker needs at least 6MiB")
         targets = [m.target for m in self.all_mounts()]
         if len(targets) != len(set(targets)):
