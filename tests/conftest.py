@@ -14,6 +14,21 @@ from tests.images import IMAGE as TEST_IMAGE
 from tests.images import busybox_tar
 from tests.procs import TEST_NODES, AgentProc, ManagerProc
 
+#: The ``GPUMGR_*`` variables the test harness itself reads (CI and tests/run set them); any other is the user's own
+#: (``GPUMGR_TOKEN`` and ``GPUMGR_MANAGER``, as the README tells users of docker gpu and the client to export).
+HARNESS_ENV = frozenset({"GPUMGR_REQUIRE_DOCKER", "GPUMGR_REQUIRE_GPU", "GPUMGR_REQUIRE_ETCD", "GPUMGR_REQUIRE_BROWSER",
+                         "GPUMGR_VENV", "GPUMGR_IMAGE_CACHE", "GPUMGR_MODEL_EXAMPLES"})
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Start every test from a clean ``GPUMGR_*`` environment, before any test module is read.
+
+    gpumgr's settings read ``GPUMGR_*`` variables, so an exported token or manager address would reach the
+    in-process managers and every process the tests start (issue 33); the tests set what they need themselves.
+    """
+    for name in [name for name in os.environ if name.startswith("GPUMGR_") and name not in HARNESS_ENV]:
+        del os.environ[name]
+
 
 def _require(flag: str, reason: str) -> None:
     if os.environ.get(flag) == "1":
