@@ -28,8 +28,9 @@ from gpumgr.plugin.hook import Refused, ask_agent
 from gpumgr.wire import gpudev
 from tests import test_guard
 from tests.guardproc import GuardProc
-from tests.images import IMAGE
+from tests.images import IMAGE, busybox_tar
 from tests.procs import AgentProc
+from tests.swarm import SwarmEngine
 from tests.test_guard import raw_post
 from tests.test_guard_decisions import plugin_request
 from tests.test_tenants import operator_manager, write_config
@@ -152,6 +153,40 @@ def test_an_images_swarm_label_makes_no_swarm_task(hook_node, docker_client, tes
     finally:
         forged.remove(force=True)
         task.remove(force=True)
+
+
+@pytest.fixture(scope="module")
+def hook_engine(hook_node, tmp_path_factory):
+    """A private dockerd whose default runtime is gpumgr's hook, and an agent behind it with the same limits."""
+    manager, _, _ = hook_node
+    engine = SwarmEngine(busybox_tar())
+    agent = AgentProc(tmp_path_factory.mktemp("escape-e2e"), manager, f"{NODE}-e2e",
+                      env={"DOCKER_HOST": engine.env["DOCKER_HOST"], "GPUMGR_HOOK_SOCKET": engine.hook_socket,
+                           "GPUMGR_HOOK_TENANT": "alice", "GPUMGR_HOOK_MAX_MEMORY": str(MAX_MEMORY)})
+    yield engine, manager
+    agent.stop()
+    engine.stop()
+
+
+def test_docker_run_of_such_images_through_the_hook(hook_engine):
+    """End to end: the engine merges the image, the hook asks, the agent refuses or limits: no GPU reaches it."""
+    engine, manager = hook_engine
+    for tag, change in (("asks", "ENV GPUMGR_REQUEST_MEMORY=20GiB"),
+                        ("task", "LABEL com.docker.swarm.task.id=forged-task")):
+        base = engine.docker("create", "--network", "none", IMAGE, "true").stdout.strip()
+        engine.docker("commit", "--change", change, *(["--change", "ENV GPUMGR_REQUEST_PRIORITY=1000"]
+                                                     if tag == "task" else []), base, f"escape/{tag}:1")
+        engine.docker("rm", base)
+    refused = engine.docker("run", "--rm", "--network", "none", "escape/asks:1", "env", check=False)
+    assert refused.returncode != 0 and "comes from the container's image" in refused.stderr, refused.stderr
+    ran = engine.docker("run", "--rm", "--network", "none", "-e", "GPUMGR_REQUEST_MEMORY=1GiB", "escape/task:1",
+                        "env", check=False)
+    assert ran.returncode == 0 and "GPUMGR_GRANT=" in ran.stdout, ran.stderr
+    grant = next(line.split("=", 1)[1] for line in ran.stdout.splitlines() if line.startswith("GPUMGR_GRANT="))
+    record = manager.get(f"/v1/containers/{grant}").json()
+    assert (record["tenant"], record["priority"], record["gpu_memory"]) == ("alice", 0, GiB), record
+    records = [r for r in manager.get("/v1/containers").json()["containers"] if r["node"] == f"{NODE}-e2e"]
+    assert [r["id"] for r in records] == [grant]  # the image asking for 20 GiB got nothing at all
 
 
 # -- item 5: privileged in all but name ----------------------------------------------------------------------
