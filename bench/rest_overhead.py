@@ -5,6 +5,8 @@ mode ``none``) as child processes on free loopback ports (``bench.harness.stack`
 ``--pairs`` interleaved trials:
 
   A  gpumgr:  POST /v1/containers {image, command: sleep 300, gpu_memory: 1GiB}  -> 201 (running)
+  K  keyed (--keyed): the same POST with a fresh ``Idempotency-Key`` each time (the key is claimed in the
+     state directory before the create goes out, and its answer kept after: two fsynced writes)
   B  bare:    docker.from_env().containers.run(image, ["sleep", "300"], detach=True, network_mode="none")
   C  agent-equivalent (reference, --no-equivalent drops it): the Docker calls the agent makes,
      api.create_container(...) + api.start(), from this process
@@ -26,6 +28,7 @@ import argparse
 import contextlib
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +38,7 @@ import docker.errors
 
 from bench.harness import IMAGE, Stack, median, save, stack, summary, table
 
-NAMES = {"gpumgr": "A gpumgr POST -> 201", "bare": "B docker-py containers.run",
+NAMES = {"gpumgr": "A gpumgr POST -> 201", "keyed": "K POST with Idempotency-Key", "bare": "B docker-py containers.run",
          "agent_equivalent": "C create+start (agent's calls)", "agent_before": "D create+inspect+start+inspect"}
 
 
@@ -47,10 +50,13 @@ class Trials:
         self.args = {"image": IMAGE, "command": ["sleep", "300"], "detach": True, "network_mode": "none",
                      "labels": s.labels}
 
-    def gpumgr(self) -> float:
+    def keyed(self) -> float:
+        return self.gpumgr({"Idempotency-Key": str(uuid.uuid4())})
+
+    def gpumgr(self, headers: dict[str, str] | None = None) -> float:
         body = {"image": IMAGE, "command": ["sleep", "300"], "gpu_memory": "1GiB", "labels": self.s.labels}
         t0 = time.perf_counter()
-        reply = self.s.api.post("/v1/containers", json=body, timeout=90)
+        reply = self.s.api.post("/v1/containers", json=body, timeout=90, headers=headers)
         dt = time.perf_counter() - t0
         if reply.status_code != 201 or reply.json()["state"] != "running":
             raise RuntimeError(f"POST /v1/containers answered {reply.status_code}: {reply.text}")
@@ -95,8 +101,8 @@ def run(args: argparse.Namespace, arms: list[str]) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {a: [] for a in arms}
     with stack(name="bench-rest") as s:
         trials = Trials(s, args.plain_delete)
-        calls = {"gpumgr": trials.gpumgr, "bare": trials.bare, "agent_equivalent": trials.equivalent,
-                 "agent_before": trials.before}
+        calls = {"gpumgr": trials.gpumgr, "keyed": trials.keyed, "bare": trials.bare,
+                 "agent_equivalent": trials.equivalent, "agent_before": trials.before}
         for i in range(args.warmup + args.pairs):
             for arm in arms:
                 dt = calls[arm]()
@@ -117,10 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-equivalent", action="store_true", help="leave out arms C and D")
     parser.add_argument("--plain-delete", action="store_true", help="DELETE without killing first (5 s each)")
     parser.add_argument("--target", type=float, default=1.10, help="target median ratio gpumgr/bare")
+    parser.add_argument("--keyed", action="store_true", help="add arm K: the POST with an Idempotency-Key")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
 
-    times = run(args, ["gpumgr", "bare"] + ([] if args.no_equivalent else ["agent_equivalent", "agent_before"]))
+    times = run(args, ["gpumgr"] + (["keyed"] if args.keyed else []) + ["bare"]
+                + ([] if args.no_equivalent else ["agent_equivalent", "agent_before"]))
     stats: dict[str, dict[str, Any]] = {
         a: {f"{k}_ms": s[k] for k in ("median", "p90", "min", "max")} | {"samples_ms": [x * 1000 for x in v]}
         for a, v in times.items() for s in [summary(v, 1000)]}
@@ -132,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     met = ratio <= args.target
     print(f"\nmedian ratio A/B = {ratio:.3f} (median of per-pair ratios {paired:.3f}); "
           f"target <= {args.target:.2f} -> {'MET' if met else 'MISSED'}")
+    if "keyed" in stats:
+        print(f"median ratio K/A = {stats['keyed']['median_ms'] / stats['gpumgr']['median_ms']:.3f} (median of "
+              f"per-pair ratios {median(k / a for k, a in zip(times['keyed'], times['gpumgr'], strict=True)):.3f})")
     if "agent_equivalent" in stats:
         print(f"median ratio A/C = {stats['gpumgr']['median_ms'] / stats['agent_equivalent']['median_ms']:.3f}, "
               f"C/B = {stats['agent_equivalent']['median_ms'] / stats['bare']['median_ms']:.3f}, "
