@@ -236,14 +236,16 @@ def run_up_command(args: argparse.Namespace) -> int:
 def run_join_token_command(args: argparse.Namespace) -> int:
     """``gpumgr join-token``: works from the state directory whether or not the manager runs."""
     from gpumgr.manager.admission import Admission
+    from gpumgr.manager.ha import read_only_store, rotating_store
+    from gpumgr.manager.store_record import join_store
 
-    store = None
-    if args.store:  # several managers: the secret is in etcd, and a rotation there reaches them all at once
-        from gpumgr.manager.ha import read_only_store, rotating_store
-
-        opener = rotating_store if args.rotate else read_only_store
-        store = opener(args.store, ca=args.store_ca, cert=args.store_cert, key=args.store_key)
-    admission = Admission(args.state_dir or ManagerSettings().state_dir, store=store)
+    opener = rotating_store if args.rotate else read_only_store
+    folder = args.state_dir or ManagerSettings().state_dir
+    # several managers: the secret is in etcd, and a rotation there reaches them all at once; without --store,
+    # the store the directory's manager recorded (issue 33), or the directory itself
+    store = (opener(args.store, ca=args.store_ca, cert=args.store_cert, key=args.store_key) if args.store
+             else join_store(folder, opener))
+    admission = Admission(folder, store=store)
     if args.rotate:
         admission.rotate()
         print("new join secret: the previous token admits no new agent (admitted agents stay)")

@@ -31,6 +31,8 @@ from gpumgr.manager.etcdv3 import EtcdClient, parse_endpoints
 from gpumgr.manager.leadership import Leadership
 from gpumgr.manager.store import Fenced, FileStore, Store
 from gpumgr.manager.store_etcd import DEFAULT_PREFIX, EtcdStore
+from gpumgr.manager.store_record import StoreRecord, remember
+from gpumgr.wire import security
 from gpumgr.wire.epoch import Epoch
 
 log = logging.getLogger(__name__)
@@ -232,8 +234,14 @@ def describe(url: str, *, ca: str | None = None, cert: str | None = None, key: s
 
 def control_plane(store: str | None, state_dir: str | Path | None, name: str, *, api: str = "",
                   ca: str | None = None, cert: str | None = None, key: str | None = None) -> Solo | Replicated:
-    """The control plane ``--store`` names (none: the state directory, as always)."""
+    """The control plane ``--store`` names (none: the state directory, as always).
+
+    Either way the state directory records which store holds the join secret, for ``gpumgr join-token``.
+    """
+    folder = security.state_dir(state_dir)
     if not store:
+        remember(folder, None)
         return Solo(state_dir)
     client, where = _client(store, ca, cert, key)
+    remember(folder, StoreRecord(store, ca, cert, key))
     return Replicated(client, where, name, api=api)
