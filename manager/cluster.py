@@ -37,6 +37,7 @@ from gpumgr.wire.errors import (
     NotFound,
     OutcomeUnknown,
     QuotaExceeded,
+    StoreUnavailable,
 )
 from gpumgr.wire.names import CREATING, LIVE, QUEUED, EventType, State
 from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuSample, RefusedAdoption
@@ -214,11 +215,13 @@ class Cluster(MapReads):
         """
         try:
             self.journal.sync()
-        except Exception:
+        except Exception as exc:
             with self.lock:
                 self.life.unwritten.discard(record.id)
                 if record.state is QUEUED:
                     self.life.forget(record)
+            if isinstance(exc, OSError):
+                raise StoreUnavailable(f"the queue could not be written ({exc}); nothing was kept") from exc
             raise
         with self.lock:
             self.life.unwritten.discard(record.id)
@@ -271,7 +274,12 @@ class Cluster(MapReads):
         if not spec.hook:  # a hook's wait lives in its node's open request, which a restart ends
             self.life.journaled.add(record.id)
             self.life.unwritten.add(record.id)
-            self.journal.add(self.life.journal_entry(record))
+            try:
+                self.journal.add(self.life.journal_entry(record))
+            except OSError as exc:  # the state directory's disk is full or read-only: nothing of it stays
+                self.life.unwritten.discard(record.id)
+                self.life.forget(record)
+                raise StoreUnavailable(f"the queue could not be written ({exc}); nothing was kept") from exc
         why = self.life.why_waiting(spec.memory, spec.count, position - 1)
         self.life.event(EventType.QUEUED, f"waits for {format_bytes(spec.memory)} on {spec.count} GPU(s) at position "
                         f"{position} of {len(self.queue)}: {why}", record, position=position)

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 import requests
 
+from gpumgr.wire import errors
 from gpumgr.wire.errors import GpumgrError
 
 log = logging.getLogger(__name__)
@@ -50,11 +51,18 @@ class EtcdError(GpumgrError):
     status = 500
 
 
-class StoreUnavailable(EtcdError):
+class StoreUnavailable(EtcdError, errors.StoreUnavailable):
     """No etcd endpoint answered (down, partitioned or without quorum); retry once the store is back."""
 
     code = "store_unavailable"
     status = 503
+
+
+class StoreTooLarge(EtcdError):
+    """etcd refused a write as larger than its ``--max-request-bytes``: the caller's request was too large."""
+
+    code = "too_large"
+    status = 413
 
 
 @dataclass(frozen=True)
@@ -230,7 +238,10 @@ class EtcdClient:
         if response.status_code >= 500 or answer.get("code") == 14:  # 14: gRPC UNAVAILABLE (no leader)
             raise StoreUnavailable(f"HTTP {response.status_code}: {answer.get('error') or response.text[:200]}")
         if response.status_code >= 400 or ("error" in answer and "code" in answer):
-            raise EtcdError(f"etcd refused {path}: {answer.get('error') or response.text[:200]}")
+            error = str(answer.get("error") or response.text[:200])
+            if "request is too large" in error:  # the caller's request, whole, exceeds etcd's --max-request-bytes
+                raise StoreTooLarge(f"the request is too large for the store (etcd: {error}); send a smaller one")
+            raise EtcdError(f"etcd refused {path}: {error}")
         return answer
 
     def _session(self) -> requests.Session:

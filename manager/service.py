@@ -20,7 +20,6 @@ from gpumgr.manager.admission import Admission
 from gpumgr.manager.clock import SYSTEM, Clock
 from gpumgr.manager.cluster import Cluster
 from gpumgr.manager.config import ManagerSettings
-from gpumgr.manager.etcdv3 import StoreUnavailable
 from gpumgr.manager.events import EventLog
 from gpumgr.manager.forward import DigestWatch
 from gpumgr.manager.ha import DEPOSED, Replicated, Solo, control_plane
@@ -43,6 +42,7 @@ from gpumgr.wire.errors import (
     NoAgents,
     NotFound,
     OutcomeUnknown,
+    StoreUnavailable,
 )
 from gpumgr.wire.lanes import Lanes
 from gpumgr.wire.names import LIVE, State

@@ -116,6 +116,14 @@ class OutcomeUnknown(GpumgrError):
     status = 502
 
 
+class StoreUnavailable(GpumgrError):
+    """The store (etcd, or the state directory's disk) could not take a write: nothing of the request was kept."""
+
+    code = "store_unavailable"
+    status = 503
+    retry_after = 1
+
+
 class RuntimeFailure(GpumgrError):
     """The agent's runtime (Docker or host processes) refused an operation."""
 
