@@ -269,21 +269,6 @@ def test_events_are_formatted_when_read_and_tagged_with_their_tenant() -> None:
     assert [e["type"] for e in events.since(placed["id"], {"node_up"})] == ["node_up"]
 
 
-def test_event_ids_keep_rising_while_the_store_cannot_reserve_them() -> None:
-    """A leader whose store fails counts on from its last block; the next block the store gives is used."""
-    blocks = iter([range(1, 3), RuntimeError("store down"), RuntimeError("store down"), range(100, 102)])
-
-    def reserve(count: int) -> range:
-        got = next(blocks)
-        if isinstance(got, Exception):
-            raise got
-        return got
-
-    events = EventLog(reserve=reserve)
-    taken = [events.record(EventType.NODE_UP, "x") for _ in range(5)]
-    assert taken == [1, 2, 3, 4, 100]
-
-
 def test_event_ids_keep_rising_across_restarts(tmp_path):
     first = EventLog(state_dir=tmp_path)
     last = [first.record(State.EXITED, "x") for _ in range(3)][-1]  # type: ignore[arg-type]

@@ -127,3 +127,6 @@ class EventType(StrEnum):
     RESIZED = "resized"
     GPU_UNHEALTHY = "gpu_unhealthy"
     GPU_HEALTHY = "gpu_healthy"
+    #: the store did not answer in time: event ids from here on (up to a bound) are handed out unreserved, and
+    #: a later block or leader starts above that bound, so a client following ``since=`` sees ids jump there
+    IDS_UNRESERVED = "ids_unreserved"
