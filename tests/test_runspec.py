@@ -99,7 +99,7 @@ def test_a_tenant_is_refused_what_its_policy_does_not_allow(stack, fields, rule)
 
 
 def test_the_operator_and_a_tenant_with_its_own_policy_are_not_limited_by_the_default(stack) -> None:
-    # both pass the policy and are placed: the silent agent then gets the create (and never answers: 502 outcome_unknown)
+    # both pass the policy and are placed: the silent agent then gets the create (never answering: 502 outcome_unknown)
     manager, _, agent = stack
     manager.settings = manager.settings.model_copy(update={"create_timeout": 0.5})
     assert post(stack, OPERATOR, privileged=True, volumes=["/:/host"]).status_code == 502

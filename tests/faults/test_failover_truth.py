@@ -40,6 +40,14 @@ def running(docker_client: Any, tag: str) -> list[dict[str, Any]]:
     return docker_client.api.containers(filters={"label": [f"gpumgr.node={NODE}", f"ft.req={tag}"]})
 
 
+def placed(manager: ManagerProc, image: str, memory: str, tag: str) -> dict[str, Any]:
+    """Place a sleeping container of request ``tag`` through ``manager``; its record."""
+    made = manager.post("/v1/containers", json=job(image, memory, tag))
+    assert made.status_code == 201, made.text
+    record: dict[str, Any] = made.json()
+    return record
+
+
 def pause(pid: int) -> None:
     os.kill(pid, signal.SIGSTOP)
 
@@ -91,9 +99,7 @@ def test_item1_a_reelected_manager_starts_from_the_store_and_the_nodes_not_its_o
     """M1 → M2 → M1: what M2 did (a grow, a create) stands when M1 leads again; M1 rolls nothing back."""
     ha, agent = plane["ha"], plane["agent"]
     m1 = ha.leader()
-    first = m1.post("/v1/containers", json=job(test_image, "4GiB", "grown"))
-    assert first.status_code == 201, first.text
-    cid = first.json()["id"]
+    cid = placed(m1, test_image, "4GiB", "grown")["id"]
     pause(m1.popen.pid)
     try:
         m2 = ha.leader(besides=m1)
@@ -125,9 +131,7 @@ def test_item3_a_delete_answered_202_is_carried_out_by_the_next_leader(plane, do
     """The node is down, the DELETE is answered 202, the leader dies: the next one removes the container."""
     ha, agent = plane["ha"], plane["agent"]
     m1 = ha.leader()
-    made = m1.post("/v1/containers", json=job(test_image, "2GiB", "doomed"))
-    assert made.status_code == 201, made.text
-    cid = made.json()["id"]
+    cid = placed(m1, test_image, "2GiB", "doomed")["id"]
     pause(agent.popen.pid)
     try:
         wait_for(lambda: down(m1), 30, what="the node to be marked down")
@@ -148,9 +152,7 @@ def test_item3_a_delete_answered_202_survives_a_restart_of_a_single_manager(
     manager = ManagerProc(tmp_path)
     agent = AgentProc(tmp_path, manager, NODE, gpus="sim:1x24GiB")
     try:
-        made = manager.post("/v1/containers", json=job(test_image, "2GiB", "solo-doomed"))
-        assert made.status_code == 201, made.text
-        cid = made.json()["id"]
+        cid = placed(manager, test_image, "2GiB", "solo-doomed")["id"]
         pause(agent.popen.pid)
         try:
             wait_for(lambda: down(manager), 30, what="the node to be marked down")
@@ -237,11 +239,9 @@ def test_item2_a_queued_request_found_running_is_adopted_not_placed_again(plane,
     dequeue): the next leader adopts the running container instead of creating it a second time."""
     ha, agent, etcd = plane["ha"], plane["agent"], plane["etcd"]
     m1 = ha.leader()
-    made = m1.post("/v1/containers", json=job(test_image, "4GiB", "twice"))
-    assert made.status_code == 201, made.text
-    cid, container = made.json()["id"], made.json()["container_id"]
-    filler = m1.post("/v1/containers", json=job(test_image, "20GiB", "full"))
-    assert filler.status_code == 201, filler.text
+    made = placed(m1, test_image, "4GiB", "twice")
+    cid, container = made["id"], made["container_id"]
+    placed(m1, test_image, "20GiB", "full")
     waiting = m1.post("/v1/containers", json=job(test_image, "4GiB", "waiting", queue=True))
     assert waiting.status_code == 202, waiting.text
     client = etcd.client()
@@ -249,7 +249,7 @@ def test_item2_a_queued_request_found_running_is_adopted_not_placed_again(plane,
     found = client.get(f"/{prefix}/queue/{waiting.json()['id']}".encode())
     assert found is not None, "the queued request is not in the store"
     entry = json.loads(found.value)
-    entry.update(id=cid, name=made.json()["name"])  # what a leader that died before its dequeue left behind
+    entry.update(id=cid, name=made["name"])  # what a leader that died before its dequeue left behind
     client.txn([], [etcdv3.put(f"/{prefix}/queue/{cid}".encode(), json.dumps(entry).encode())])
     m1.stop(signal.SIGKILL)
     m2 = ha.leader(besides=m1)
