@@ -155,3 +155,18 @@ def test_a_plain_placement_writes_nothing_to_the_store_and_a_delete_writes_its_i
     _, status = manager.remove(record["id"])
     assert status == 200 and len(writes) == 1  # its intent, written ahead
     wait_for(lambda: store.intents() == {}, 10, what="the spent intent to be deleted by the sweep")
+
+
+def test_item1_hooks_waiting_in_the_queue_are_refused_when_leadership_ends(leader) -> None:
+    """The term's queue goes with it: a runtime hook waiting there is told so at once, not left to time out."""
+    manager, agent, _ = leader
+    manager.create(spec(24 * GiB, "filler"))
+    agent.send(protocol.Reserve(container_id="c" * 64, gpu_memory=4 * GiB, node="truth", queue=True, name="task"))
+    wait_for(lambda: manager.inbound._hook_waiters, 10, what="the hook's request to wait in the queue")
+    manager.plane.step_down("test: leadership ends", hold_off=2.0)
+    refusals = lambda: [m for m in list(agent.received) if isinstance(m, protocol.Reply) and not m.ok  # noqa: E731
+                        and m.error is not None and m.error.code == "not_leader"]
+    wait_for(refusals, 5, what="the waiting hook to be refused")
+    assert "dropped with the queue" in refusals()[0].error.message
+    assert manager.cluster.ledger.records == {}, "the ended term's map was kept"
+    wait_for(lambda: manager.leading.loaded, 15, what="the manager to lead again")
