@@ -17,7 +17,6 @@ from typing import Any
 from gpumgr.manager.clock import SYSTEM, Clock
 from gpumgr.manager.dispatch import Dispatch, request_for, take_slots
 from gpumgr.manager.events import EventLog
-from gpumgr.manager.intents import KEPT
 from gpumgr.manager.ledger import Ledger
 from gpumgr.manager.lifecycle import ENDED, Lifecycle, placed_text
 from gpumgr.manager.queue import QueueJournal, WaitQueue
@@ -28,6 +27,7 @@ from gpumgr.manager.replies import Replies
 from gpumgr.manager.resize import Resizer
 from gpumgr.manager.scheduler import place
 from gpumgr.manager.tenants import Tenant, TenantBook
+from gpumgr.manager.terms import Terms
 from gpumgr.manager.views import MapReads
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.errors import (
@@ -39,7 +39,7 @@ from gpumgr.wire.errors import (
     QuotaExceeded,
     StoreUnavailable,
 )
-from gpumgr.wire.names import CREATING, LIVE, QUEUED, EventType, State
+from gpumgr.wire.names import CREATING, QUEUED, EventType, State
 from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuSample, RefusedAdoption
 from gpumgr.wire.units import format_bytes
 
@@ -66,7 +66,7 @@ class RandomIds:
             return drawn[:16]
 
 
-class Cluster(MapReads):
+class Cluster(Terms, MapReads):
     """Nodes, GPUs, grants and every record's life; see the module docstring."""
 
     def __init__(self, events: EventLog | None = None, *, headroom: int = 0,
@@ -337,74 +337,6 @@ class Cluster(MapReads):
         if restored:
             self.events.record(EventType.QUEUED, f"{restored} queued request(s) restored after a manager restart")
         return restored
-
-    def hold(self, commands: list[Command], hooks: list[Container]) -> None:
-        """Send ``commands`` and answer ``hooks`` at a later pass: what left the queue is not in the store yet."""
-        with self.lock:
-            self._to_send[:0] = commands
-            self._hooks_placed[:0] = hooks
-
-    def reset(self, why: str) -> int:
-        """Forget the whole map: leadership ended, or begins (it is built again from the store and the nodes).
-
-        Whoever waits on an operation of the ended term is answered at once with ``outcome_unknown``: the
-        command may have reached its node, and the next leader learns what it did from that node's report.
-        Returns how many waited.
-        """
-        with self.lock:
-            waiting = [r.op for r in self.ledger.records.values() if r.op is not None]
-            for op in waiting:
-                op.finish(OutcomeUnknown(f"{why}; what became of the {op.kind} is not known here: look at the "
-                                         "container before trying again"))
-            self.ledger.clear()
-            self.quotas.clear()
-            self.queue.clear()
-            self.life.clear()
-            self.dispatcher.making_room.clear()
-            self.dispatcher.refused.clear()
-            self.reconciler.clear()
-            self._to_send, self._hooks_placed = [], []
-        self.wake.set()
-        return len(waiting)
-
-    # --- intents ---------------------------------------------------------------------------------
-    def removal_intent(self, cid: str) -> dict[str, Any] | None:
-        """What a DELETE of ``cid`` must write to the store before it acts (None: nothing, it ends at once)."""
-        with self.lock:
-            record = self._get(cid)
-            if record.state not in LIVE or record.desired is State.REMOVED:
-                return None
-            return {"node": record.node, "desired": str(State.REMOVED), "reason": "removed on request"}
-
-    def intents_written(self, intents: dict[str, dict[str, Any]]) -> None:
-        """``intents`` are in the store now; one whose record ended (or wants to run) meanwhile is spent at once."""
-        with self.lock:
-            intents_ = self.life.intents
-            intents_.written(intents)
-            for grant in intents:
-                record = self.ledger.records.get(grant)
-                if record is None or record.state not in LIVE or record.desired not in KEPT:
-                    intents_.ended(grant)
-
-    def unwritten_intents(self) -> dict[str, dict[str, Any]]:
-        """The intents decided in the map (preemptions) and not written yet."""
-        with self.lock:
-            return dict(self.life.intents.unwritten)
-
-    def load_intents(self, kept: dict[str, dict[str, Any]]) -> None:
-        """Start from the intents the store holds (a restart, or a new term of leadership)."""
-        with self.lock:
-            self.life.intents.load(kept)
-
-    def take_spent_intents(self) -> list[str]:
-        """The intents carried out or moot, to delete from the store."""
-        with self.lock:
-            return self.life.intents.take_spent()
-
-    def respend_intents(self, grants: list[str]) -> None:
-        """Deleting ``grants``' intents failed: try again at the next sweep."""
-        with self.lock:
-            self.life.intents.respend(grants)
 
     # --- what nodes answer and report ----------------------------------------------------------
     def current(self, command: Command) -> bool:

@@ -172,8 +172,14 @@ class Manager:
         self.leading.check()
         record = self.cluster.get_for(cid, principal)
         tenant = self.tenants.get(record.tenant) if record.tenant is not None else None
+        was = record.gpu_memory
         record, command = self.cluster.begin_resize(cid, memory, force=force, tenant=tenant)
-        self.sync_queue(strict=True)
+        try:
+            self.sync_queue(strict=True)
+        except GpumgrError:
+            if command is None:  # a queued request's new figure never reached the store: not accepted, undone
+                self.cluster.undo_queued_resize(cid, was)
+            raise
         if command is not None:
             self.send([command])
             self._wait([command], self.settings.remove_timeout)

@@ -170,3 +170,26 @@ def test_item1_hooks_waiting_in_the_queue_are_refused_when_leadership_ends(leade
     assert "dropped with the queue" in refusals()[0].error.message
     assert manager.cluster.ledger.records == {}, "the ended term's map was kept"
     wait_for(lambda: manager.leading.loaded, 15, what="the manager to lead again")
+
+
+def test_item3_a_queued_resize_the_store_refused_is_undone(leader) -> None:
+    """A PATCH of a queued request is answered only once the store holds it; refused, the old figure stays."""
+    manager, _, _ = leader
+    manager.create(spec(24 * GiB, "filler"))
+    queued, status = manager.create(spec(4 * GiB, "waits"), queue=True)
+    assert status == 202
+    store = manager.plane.store
+    real = store.apply_queue
+
+    def refuse(changes: list[tuple[str, dict[str, Any] | None]]) -> None:
+        raise StoreUnavailable("etcd is cut off (test)")
+
+    store.apply_queue = refuse  # type: ignore[method-assign]
+    try:
+        with pytest.raises(StoreUnavailable):
+            manager.resize(queued["id"], 2 * GiB)
+        assert manager.cluster.get(queued["id"]).gpu_memory == 4 * GiB, "the refused PATCH changed the map"
+    finally:
+        store.apply_queue = real  # type: ignore[method-assign]
+    manager.sync_queue(strict=True)
+    assert [e["spec"]["memory"] for e in store.queued()] == [4 * GiB]
