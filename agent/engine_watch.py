@@ -61,6 +61,8 @@ class _Engine:
     error: str | None = None
     #: every default runtime read for this process → why it may not be used without a grant (None: fine)
     seen: dict[str, str | None] = field(default_factory=dict)
+    #: what :meth:`EngineWatch.default` answers, made again only when ``seen`` grows
+    view: DefaultRuntime | None = None
 
 
 class EngineWatch:
@@ -77,11 +79,23 @@ class EngineWatch:
             engine = self._current(pid)
         except EngineUnknown as exc:
             return DefaultRuntime(frozenset(), f"the guard cannot tell the engine's default runtime ({exc})")
-        problems = sorted({problem for problem in engine.seen.values() if problem})
-        if len(engine.seen) > 1 and problems:
-            problems.append("daemon.json changed while this engine ran, and the guard cannot see whether it reloaded "
-                            "(restart dockerd, or gpumgr-guard once dockerd has reloaded)")
-        return DefaultRuntime(frozenset(engine.seen), "; ".join(problems) or None)
+        if engine.view is None:
+            problems = sorted({problem for problem in engine.seen.values() if problem})
+            if len(engine.seen) > 1 and problems:
+                problems.append("daemon.json changed while this engine ran, and the guard cannot see whether it "
+                                "reloaded (restart dockerd, or gpumgr-guard once dockerd has reloaded)")
+            engine.view = DefaultRuntime(frozenset(engine.seen), "; ".join(problems) or None)
+        return engine.view
+
+    def connected(self, pid: int | None) -> None:
+        """A new connection from ``pid``: forget what was read of an earlier process that had the same pid."""
+        if pid is None:
+            return
+        start = self._start_time(pid)
+        with self._lock:
+            engine = self._engines.get(pid)
+            if engine is not None and engine.start != start:
+                del self._engines[pid]
 
     def settings(self, pid: int | None) -> EngineSettings:
         """Engine ``pid``'s settings as its files say now (its data root for stored records); EngineUnknown if not."""
@@ -95,7 +109,7 @@ class EngineWatch:
             raise EngineUnknown("the kernel did not name the process asking")
         with self._lock:
             engine = self._engines.get(pid)
-            if engine is None or engine.start != self._start_time(pid):
+            if engine is None:
                 engine = self._engines[pid] = self._first_look(pid)
                 while len(self._engines) > MAX_ENGINES:
                     del self._engines[next(iter(self._engines))]
@@ -152,6 +166,7 @@ class EngineWatch:
         engine.error = None
         name = engine.settings.default_runtime
         engine.seen[name] = engine_runtime.gpu_by_env(name, engine.settings.runtimes, engine.search_path)
+        engine.view = None
 
 
 def _read_config(path: str, exists: bool, shown: str) -> dict[str, Any]:

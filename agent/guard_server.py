@@ -69,6 +69,8 @@ class PluginHandler(socketserver.StreamRequestHandler):
         """Answer calls until the engine closes the connection (or sends something that is not one)."""
         self.connection.settimeout(READ_TIMEOUT)
         self.engine_pid = peer_pid(self.connection)  # dockerd: the guard learns its settings from its files
+        if self.server.guard.engines is not None:
+            self.server.guard.engines.connected(self.engine_pid)
         with contextlib.suppress(OSError):  # the engine went away or stalled: its connection ends
             while self._one():
                 pass
