@@ -38,7 +38,7 @@ def new_key() -> str:
 
 
 def create(api: API, body: dict[str, Any], key: str | None = None, *, resend_for: float | None = None,
-           backoff: float = BACKOFF, sleep: Callable[[float], None] = time.sleep) -> Any:
+           backoff: float | None = None, sleep: Callable[[float], None] = time.sleep) -> Any:
     """``POST /v1/containers`` with ``body`` under ``key`` (a new one if None); its JSON answer.
 
     Resent with the same key on a connection error, 502 ``outcome_unknown`` or 409 ``in_progress`` until
@@ -47,7 +47,7 @@ def create(api: API, body: dict[str, Any], key: str | None = None, *, resend_for
     """
     key = key or new_key()
     deadline = time.monotonic() + (RESEND_FOR if resend_for is None else resend_for)
-    pause, sends = backoff, 0
+    pause, sends = BACKOFF if backoff is None else backoff, 0
     while True:
         sends += 1
         try:
