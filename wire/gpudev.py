@@ -4,8 +4,9 @@ Each ``*_reasons`` function takes a body decoded by :mod:`gpumgr.wire.gojson` wi
 beside it and returns what in it asks for a GPU or would reach the guard itself, one sentence per
 field, naming the field as the engine's API spells it: an empty list is a clean request. The same
 checks judge what ``docker inspect`` shows of a container, so a test can hold the guard to what the
-engine really made. Host paths are resolved on this host (symbolic links followed, directories
-looked into), as the engine resolves them when it mounts a bind or adds a device.
+engine really made. Host paths are resolved on this host (symbolic links followed), as the engine
+resolves them when it mounts a bind or adds a device; a device's path must be one that cannot change
+before the engine's next start (:mod:`gpumgr.wire.devpath`).
 """
 
 from __future__ import annotations
