@@ -157,10 +157,28 @@ class Ledger:
         if ready:
             self.wake.set()
         for gpu in node.gpus:
-            if ready and gpu not in self.index and not gpu.health:
+            if ready and gpu not in self.index and not gpu.health and not node.unusable:
                 self.index.add(gpu)
             elif not ready:
                 self.index.discard(gpu)
+
+    def set_unusable(self, node: Node, why: str) -> bool:
+        """Record why nothing may be placed on ``node`` though it is up ("": it may again). Whether it changed.
+
+        Its GPUs leave the free index (or join it again); its grants and containers stay as they are.
+        """
+        if why == node.unusable:
+            return False
+        self.version += 1
+        node.unusable = why
+        self.touched.add(node.name)
+        for gpu in node.gpus:
+            if why:
+                self.index.discard(gpu)
+            elif node.ready and gpu not in self.index and not gpu.health:
+                self.index.add(gpu)
+                self.wake.set()
+        return True
 
     def set_health(self, gpu: Gpu, health: str) -> bool:
         """Record why ``gpu`` is unhealthy ("" : healthy); an unhealthy GPU leaves the free index. Whether it changed.
@@ -175,7 +193,7 @@ class Ledger:
         node = self.nodes.get(gpu.node)
         if health:
             self.index.discard(gpu)
-        elif node is not None and node.ready and gpu not in self.index and gpu in node.gpus:
+        elif node is not None and node.ready and not node.unusable and gpu not in self.index and gpu in node.gpus:
             self.index.add(gpu)
             self.wake.set()
         return True

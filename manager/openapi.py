@@ -149,6 +149,8 @@ class NodeView(_Shape):
     runtime: str
     labels: dict[str, str] = Field(description="its agent's labels (`node.labels.KEY` constraints)")
     gpus: list[GpuView]
+    unusable: str | None = Field(description="why nothing is placed on it though it is ready (its agent cannot "
+                                             "write its fence file: `fence_unwritable`); null: it takes grants")
 
 
 class NodeList(_Shape):

@@ -45,6 +45,8 @@ class Node:
     instance: str = ""
     #: the labels its operator gave its agent (``node.labels.KEY`` constraints read them)
     labels: dict[str, str] = field(default_factory=dict)
+    #: why nothing is placed here though it is up ("": it takes grants): its agent cannot write its fence file
+    unusable: str = ""
 
 
 class OpKind(StrEnum):

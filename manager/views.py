@@ -34,6 +34,7 @@ def node_view(node: Node, shown: Callable[[str], bool] | None = None) -> dict[st
     return {
         "name": node.name, "state": "ready" if node.ready else "down", "last_seen": node.last_seen,
         "runtime": node.runtime, "labels": dict(node.labels), "gpus": [gpu_view(g, shown) for g in node.gpus],
+        "unusable": node.unusable or None,
     }
 
 
