@@ -30,14 +30,13 @@ import zmq
 from gpumgr import __version__
 from gpumgr.agent import swarm_labels
 from gpumgr.agent.enforcer import Enforcer, EnforcerSettings
-from gpumgr.agent.fence import Fence, FenceUnwritable, StaleEpoch
+from gpumgr.agent.fence import Fence, FenceUnwritable
 from gpumgr.agent.gpus import GpuSource
 from gpumgr.agent.hookrelay import MANAGER, HookRelay, bind_relay
 from gpumgr.agent.identity import Identity
 from gpumgr.agent.managers import (
     NO_LEADER,
     NO_LEADER_PAUSE,
-    NOT_LEADER,
     NOT_LEADER_PAUSE,
     SILENT_AFTER,
     ManagerSet,
@@ -46,6 +45,7 @@ from gpumgr.agent.managers import (
 from gpumgr.agent.meter import Sample, take_sample
 from gpumgr.agent.ops import OpKey, Ops, op_key
 from gpumgr.agent.runtime import ChangeCallback, Managed, Runtime
+from gpumgr.agent.screening import Screen, not_leader
 from gpumgr.wire import defaults, protocol, security
 from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.errors import AgentFailed, AgentTimeout, GpumgrError, PolicyDenied, ProtocolError
@@ -97,13 +97,15 @@ class Agent:
         self._expiring: Future[None] | None = None
         self._relay: HookRelay | None = None
         self._backoff, self._next_register, self._next_beat = defaults.RECONNECT_MIN, 0.0, 0.0
+        screen = Screen(self.fence)  # drops a deposed leader's frames and tells it so
         hooks = LinkHooks(on_tick=self._tick, descriptors=self._descriptors, on_ready=self._on_ready,
-                          on_stop=self._on_stop, screen=self._screen)
+                          on_stop=self._on_stop, screen=screen)
         # one CURVE connection to every manager given: registration and heartbeats go to the one followed,
         # commands are taken (fenced by epoch) from any, and answered on the connection they came on
         self.link = Link(zmq.DEALER, self.managers.current, self._handle, bind=False, configure=self._configure,
                          tick=defaults.LINK_TICK, hooks=hooks, name="agent-link",
                          peers=self.managers.endpoints if self.managers.several else None)
+        screen.send = self.link.send
         self.enforcer = None if enforcement is None else Enforcer(source, self.devices, runtime, self.report_overrun,
                                                                   enforcement)
 
@@ -223,7 +225,7 @@ class Agent:
                 self._move_on("it did not answer this agent's join")
             return
         reply = done.result()
-        if _not_leader(reply) and self.managers.several:
+        if not_leader(reply) and self.managers.several:
             self._move_on("it does not lead: the join goes to the leader")
             return
         if not reply.ok:
@@ -245,24 +247,6 @@ class Agent:
             self.link.fail_peer(MANAGER, AgentFailed(f"the manager at {left} was left before it answered ({why})"))
         self.link.reconnect(self.managers.advance(why, silent=silent))
         self._backoff, self._next_register = defaults.RECONNECT_MIN, time.monotonic() + pause
-
-    def _screen(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Message) -> Exception | None:
-        """Refuse (and drop) any frame, replies included, from a manager older than the leader this agent follows.
-
-        A ``not_leader`` answer passes: a manager that does not lead stamps no epoch, and its answer changes
-        nothing here but which manager the agent talks to next.
-        """
-        if _not_leader(message):
-            return None
-        try:
-            self.fence.admit(None if envelope.epoch is None else Epoch(*envelope.epoch))
-            return None
-        except StaleEpoch as exc:
-            log.warning("%s (a %s message dropped)", exc.message, envelope.type)
-            if isinstance(message, protocol.Create | protocol.Remove | protocol.Resize):
-                error = protocol.ErrorBody(code=exc.code, message=exc.message)
-                self.link.send(peer.routing_id, protocol.Reply(ok=False, error=error), reply_to=envelope.id)
-            return exc
 
     def _fail(self, reason: str) -> None:
         log.error("%s", reason)
@@ -299,11 +283,14 @@ class Agent:
             self.registered.set()
             self._backoff, self._next_beat = defaults.RECONNECT_MIN, 0.0
             log.info("registered with the manager at %s", self.managers.current)
-        elif _not_leader(message) and self.managers.several:
+        elif not_leader(message):
             if not self._followed(peer):
                 return
             pause = NO_LEADER_PAUSE if getattr(message, "code", "") == NO_LEADER else NOT_LEADER_PAUSE
-            self._move_on(f"it does not lead: {getattr(message, 'message', '')}", pause=jittered(pause))
+            if self.managers.several:
+                self._move_on(f"it does not lead: {getattr(message, 'message', '')}", pause=jittered(pause))
+            else:  # the one address given (a name in front of several managers): ask it again in a moment
+                self._next_register = time.monotonic() + jittered(pause)
         elif isinstance(message, protocol.Refused):
             self._fail(f"the manager refused this node's registration: {message.message}")
         elif isinstance(message, protocol.Reregister):
@@ -337,7 +324,9 @@ class Agent:
         refused = list(self.runtime.refused)
         message = protocol.Register(node=self.node, runtime=self.runtime.kind, gpus=gpus,
                                     containers=[m.report() for m in managed], refused=refused,
-                                    instance=self.instance, version=__version__, labels=self.labels)
+                                    instance=self.instance, version=__version__, labels=self.labels,
+                                    epoch=None if self.fence.highest is None else self.fence.highest.to_wire(),
+                                    fence_unwritable=self.fence.unwritable())
         try:
             protocol.encode(message)
         except ProtocolError:  # long commands or labels: the grants matter, those do not
@@ -356,7 +345,8 @@ class Agent:
         since = time.time() - defaults.ENDED_REPORTED_FOR
         containers = [m.status(sample.usage.get(m.grant)) for m in self.runtime.managed()
                       if m.finished_at is None or m.finished_at > since]
-        return protocol.Heartbeat(node=self.node, gpus=sample.gpus, containers=containers)
+        return protocol.Heartbeat(node=self.node, gpus=sample.gpus, containers=containers,
+                                  fence_unwritable=self.fence.unwritable())
 
     @staticmethod
     def _guarded(work: Callable[[float], None], argument: float) -> None:
@@ -442,14 +432,6 @@ class Agent:
             log.exception("command failed")
             reply = protocol.Reply(ok=False, error=protocol.ErrorBody(code="runtime_failed", message=str(exc)))
         return reply
-
-
-def _not_leader(message: protocol.Message) -> bool:
-    """Whether ``message`` is a manager's answer that it does not lead (a refused registration or request)."""
-    if isinstance(message, protocol.Refused):
-        return message.code in (NOT_LEADER, NO_LEADER)
-    return isinstance(message, protocol.Reply) and message.error is not None and \
-        message.error.code in (NOT_LEADER, NO_LEADER)
 
 
 def jittered(seconds: float) -> float:

@@ -10,7 +10,8 @@ on a disk), and the fence's own writer thread writes it to ``fence.json`` in the
 (fsynced). A command acts only once the epoch it carries is on disk (:meth:`Fence.durable`). When
 the file cannot be written (a full or read-only disk) the failure is logged, the agent keeps running
 and enforcing, and the new leader's commands are refused with ``fence_unwritable``
-(:class:`FenceUnwritable`), which never deposes anyone; each such command tries the write again.
+(:class:`FenceUnwritable`), which never deposes anyone; each such command tries the write again, and
+so does every heartbeat, which tells the manager why (:meth:`Fence.unwritable`) until the write succeeds.
 
 Once an agent has seen an epoch it also refuses frames that carry none: those come from a manager
 that is not part of the replicated control plane (a stray single manager holding the same key). To
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 FENCE_FILE = "fence.json"
 #: How long a command waits for its epoch to reach the disk before it is refused (a disk that hangs).
 WRITE_WAIT = 10.0
+#: The longest reason the agent reports (the wire's bound on ``fence_unwritable``).
+MAX_REASON = 512
 
 
 class StaleEpoch(GpumgrError):
@@ -119,6 +122,19 @@ class Fence:
                 raise FenceUnwritable(f"cannot write {self.path} ({self._error or 'the agent is stopping'}): this "
                                       f"node runs no command of leader epoch {epoch} until it can; free its disk "
                                       "or make its state directory writable")
+
+    def unwritable(self) -> str:
+        """Why the highest epoch is not on disk ("" when it is, or while its first write is under way).
+
+        Asked with every registration and heartbeat, so the manager places nothing on this node meanwhile; a
+        failed write is tried again each time it is asked, so the node recovers once its disk does.
+        """
+        with self._cond:
+            if self.path is None or self._highest is None or self._holds(self._highest) or not self._error:
+                return ""
+            if self._written >= self._asked:
+                self._ask()
+            return f"cannot write {self.path}: {self._error}"[:MAX_REASON]
 
     def close(self) -> None:
         """Stop the writer thread (what it writes now is finished); waiting commands are refused."""

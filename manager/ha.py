@@ -7,7 +7,9 @@ Both kinds answer the same few questions, so the manager's code has one path:
 - ``epoch``: what every command to an agent carries (None for a single manager);
 - ``on_elected`` / ``on_lost``: callbacks for becoming leader (load the store, let the known nodes
   re-register, then place) and for losing it (stop placing at once, fail what waits on the agents);
-- ``refused(code)``: an agent answered ``stale_epoch`` or a store write was ``fenced``: step down.
+- ``refused(code)``: an agent answered ``stale_epoch`` or a store write was ``fenced``: step down;
+- ``outranked(epoch)``: an agent has accepted a higher epoch than this leader's (the store's epochs went
+  back): take a higher generation and stand again.
 
 :class:`Solo` is today's manager: always the leader, no epoch, the state directory. :class:`Replicated`
 campaigns on etcd (:mod:`gpumgr.manager.leadership`) and fences every store write by its epoch.
@@ -28,7 +30,7 @@ from urllib.parse import urlsplit
 
 from gpumgr.manager import etcdv3
 from gpumgr.manager.etcdv3 import EtcdClient, parse_endpoints
-from gpumgr.manager.leadership import Leadership
+from gpumgr.manager.leadership import Leadership, generation_of
 from gpumgr.manager.store import Fenced, FileStore, Store
 from gpumgr.manager.store_etcd import DEFAULT_PREFIX, EtcdStore
 from gpumgr.manager.store_record import StoreRecord, remember
@@ -38,6 +40,9 @@ from gpumgr.wire.epoch import Epoch
 log = logging.getLogger(__name__)
 #: Codes that tell a leader it no longer leads: an agent that saw a newer epoch, a store write fenced out.
 DEPOSED = frozenset({"stale_epoch", "fenced"})
+#: The highest generation an agent's epoch may claim before a leader raises the store's above it (far above any
+#: a store reaches by counting, and far below the wire's 64-bit bound).
+MAX_GENERATION = 2**62
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,10 @@ class Solo:
         """Nothing to step down from; False."""
         return False
 
+    def outranked(self, seen: Epoch) -> bool:
+        """Never: a single manager has no epoch (an agent fenced by several managers refuses it until told)."""
+        return False
+
     def start(self) -> None:
         """Nothing to start."""
 
@@ -158,6 +167,19 @@ class Replicated:
         if code not in DEPOSED or not self.leadership.is_leader:
             return False
         self.leadership.step_down(f"told {code} (a newer leader rules)")
+        return True
+
+    def outranked(self, seen: Epoch) -> bool:
+        """An agent accepted ``seen``: if it is above this leader's epoch (an etcd restored from a snapshot or
+        rebuilt), write a higher generation, step down and stand again (:meth:`Leadership.rise_above`). Whether so.
+        """
+        epoch = self.leadership.epoch
+        if epoch is None or seen <= epoch:
+            return False
+        if seen.generation >= MAX_GENERATION:  # no leader ever stamped that: an agent's own invention
+            log.warning("ignored an agent's epoch %s: no generation of this store reaches that high", seen)
+            return False
+        self.leadership.rise_above(seen)
         return True
 
     def step_down(self, why: str, hold_off: float = 0.0) -> None:
@@ -228,7 +250,7 @@ def describe(url: str, *, ca: str | None = None, cert: str | None = None, key: s
                             "nodes": sorted(store.nodes()), "queued": len(store.queued())}
     if leader is not None and generation is not None:
         info["leader"] = json.loads(leader.value)
-        info["epoch"] = str(Epoch(int(json.loads(generation.value)["ms"]), leader.create_revision))
+        info["epoch"] = str(Epoch(generation_of(generation.value), leader.create_revision))
     return info
 
 

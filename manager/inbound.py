@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from gpumgr.manager.hook_policy import hook_tenant  # issue 22
 from gpumgr.manager.records import Container, PlacementSpec
 from gpumgr.wire import defaults, protocol
+from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.errors import AgentFailed, GpumgrError, NotFound
 from gpumgr.wire.link import Peer
 from gpumgr.wire.names import LIVE, EventType, State
@@ -29,6 +30,10 @@ MIN_AGENT_VERSION = "0.2.0"
 #: ``gpumgr.agent.managers``).
 NOT_LEADER = "not_leader"
 NO_LEADER = "no_leader"
+#: An agent's answer to a frame of an epoch below the one it follows (``gpumgr.agent.screening``).
+STALE_EPOCH = "stale_epoch"
+#: Why a node takes no grants while its agent cannot write its fence file (``gpumgr.agent.fence``).
+FENCE_UNWRITABLE = "fence_unwritable"
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
@@ -82,6 +87,7 @@ class Inbound:
             if answer is None:
                 self.link.send(peer.routing_id, protocol.Reregister(), key=peer.key)
                 return
+            self._note_fence(node, message.fence_unwritable)
             self._remove_orphans(peer, answer[0])
             self.manager.send(answer[1])
             return
@@ -95,6 +101,9 @@ class Inbound:
             reply = self._reserve(message, envelope.id)
             if reply is not None:
                 self.link.send(peer.routing_id, reply, reply_to=envelope.id, key=peer.key)
+        elif isinstance(message, protocol.Reply) and message.error is not None and \
+                message.error.code == STALE_EPOCH:
+            self._stale(node, message)
         else:
             log.warning("dropped an unexpected %s message from node %s", envelope.type, node)
 
@@ -140,6 +149,8 @@ class Inbound:
         self.manager.admission.admit_later(peer.key, message.node, message.proof, settled)
 
     def _register(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Register) -> None:
+        if self._outranked(peer, envelope, message):
+            return
         if message.version and version_tuple(message.version) < version_tuple(MIN_AGENT_VERSION):
             why = (f"this manager needs gpumgr agent {MIN_AGENT_VERSION} or newer to understand its commands; node "
                    f"{message.node} runs {message.version}: upgrade its agent")
@@ -148,9 +159,11 @@ class Inbound:
                            key=peer.key)
             return
         try:
-            orphans, commands, restarted = self.cluster.register(
-                message.node, peer.routing_id, message.runtime, message.gpus, message.containers, key=peer.key,
-                instance=message.instance, labels=message.labels)  # issue 23
+            with self.cluster.lock:  # marked unusable before any placement can see it ready
+                orphans, commands, restarted = self.cluster.register(
+                    message.node, peer.routing_id, message.runtime, message.gpus, message.containers, key=peer.key,
+                    instance=message.instance, labels=message.labels)  # issue 23
+                self._note_fence(message.node, message.fence_unwritable)
         except GpumgrError as exc:
             log.warning("refused the registration of node %s: %s", message.node, exc.message)
             self.link.send(peer.routing_id, protocol.Refused(code=exc.code, message=exc.message), reply_to=envelope.id,
@@ -166,6 +179,54 @@ class Inbound:
         self._remove_orphans(peer, orphans)
         self.manager.send(commands)
         log.info("node %s registered with %d GPUs", message.node, len(message.gpus))
+
+    # --- epochs and the fence ----------------------------------------------------------------------
+    def _outranked(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Register) -> bool:
+        """Refuse a registration from an agent that accepted a higher epoch than this leader's; it raises its own.
+
+        The agent hears ``no_leader`` and asks again (this manager, or the next, then leads above its fence).
+        """
+        if message.epoch is None or not self.manager.plane.outranked(Epoch(*message.epoch)):
+            return False
+        why = (f"this manager's epoch is below {Epoch(*message.epoch)}, which node {message.node} accepted (the "
+               "store's epochs went back): it raises the store's generation and stands again")
+        log.warning("refused the registration of node %s: %s", message.node, why)
+        self.link.send(peer.routing_id, protocol.Refused(code=NO_LEADER, message=why), reply_to=envelope.id,
+                       key=peer.key)
+        return True
+
+    def _stale(self, node: str, reply: protocol.Reply) -> None:
+        """An agent refused one of this leader's frames (``Registered``, ``Reregister``...) as ``stale_epoch``."""
+        try:
+            seen: Epoch | None = Epoch.from_wire(reply.result.get("epoch"))
+        except ValueError:  # an agent that does not say which epoch it follows
+            seen = None
+        plane = self.manager.plane
+        if seen is None:
+            log.warning("node %s refused a frame of this leader: %s", node, reply.error.message if reply.error else "")
+            plane.refused(STALE_EPOCH)
+        elif plane.outranked(seen):
+            log.warning("node %s follows epoch %s, above this leader's: raising the store's generation", node, seen)
+        else:
+            log.info("node %s refused a frame of an earlier epoch of this manager (it follows %s)", node, seen)
+
+    def _note_fence(self, node: str, why: str) -> None:
+        """Place nothing on ``node`` while its agent cannot write its fence file (and again once it can).
+
+        Never a reason to step down: the agent refuses only this leader's commands, for a reason of its own.
+        """
+        found = self.cluster.ledger.nodes.get(node)
+        if found is None or (not why and not found.unusable):  # the common case, without the model's lock
+            return
+        with self.cluster.lock:
+            found = self.cluster.ledger.nodes.get(node)
+            if found is None or not self.cluster.ledger.set_unusable(found, f"{FENCE_UNWRITABLE}: {why}" if why
+                                                                    else ""):
+                return
+        if why:
+            log.warning("node %s takes no grants: its agent cannot write its fence (%s)", node, why)
+        else:
+            log.warning("node %s takes grants again: its agent wrote its fence", node)
 
     def _on_container_event(self, node: str, event: protocol.ContainerEvent) -> None:
         report = event.container

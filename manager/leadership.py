@@ -10,8 +10,13 @@ the key every :data:`CAMPAIGN_POLL` seconds creates it next.
 
 *The epoch.* The leader key's create revision, paired with the store's generation
 (:class:`gpumgr.wire.epoch.Epoch`): etcd hands out revisions in commit order, so a later leader always
-has a larger one, and the generation (the time the store's ``<prefix>generation`` key was created,
-written once) orders a store rebuilt from scratch after the one it replaced.
+has a larger one. The generation is a counter in ``<prefix>generation`` (1 in a new store), never a
+clock. An etcd restored from a snapshot hands out revisions again under the same generation, and one
+rebuilt from scratch starts both again, so agents that followed a later leader refuse the new one.
+They say so (their fence comes in every registration and ``stale_epoch`` answer), and a leader told
+of an epoch above its own raises the generation above it in one transaction, guarded by its own
+epoch, steps down and stands again (:meth:`Leadership.rise_above`): epochs only rise, and no agent
+has to forget its fence.
 
 *Fencing.* Every store write is a transaction whose compares are :meth:`Leadership.guard`: the leader
 key still has this epoch's create revision and the generation key still holds this generation. A
@@ -86,6 +91,10 @@ class Leadership:
         self._hold_until = 0.0
         #: when etcd last stopped answering (no endpoint, or no quorum), until a call gets through again
         self.unreachable_since: float | None = None
+        #: the highest epoch an agent said it accepted: a leader at or below it raises the generation above it
+        self._above: Epoch | None = None
+        #: set to end the loop's wait early (stopping, or told of a higher epoch)
+        self._wake = threading.Event()
 
     @property
     def leader_key(self) -> bytes:
@@ -132,9 +141,18 @@ class Leadership:
         self._thread = threading.Thread(target=self.run, name=f"leadership-{self.name}", daemon=True)
         self._thread.start()
 
+    def rise_above(self, seen: Epoch) -> None:
+        """An agent accepted ``seen``: while this manager leads at or below it, raise the store's generation above
+        it, step down and stand again. Returns at once; the leadership's thread makes the store call."""
+        with self._lock:
+            if self._above is None or seen > self._above:
+                self._above = seen
+        self._wake.set()
+
     def stop(self, resign: bool = True) -> None:
         """Stop the loop; with ``resign``, give the key up at once (revoke the lease) so another leads now."""
         self._stopping.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(self.client.retry_for + self.client.timeout * len(self.client.endpoints) + 1)
         if resign:
@@ -144,7 +162,10 @@ class Leadership:
         """Campaign while no one leads; renew while this manager leads; step down when the lease is lost."""
         while not self._stopping.is_set():
             try:
-                wait = self._renew() if self._epoch is not None else self._campaign()
+                if self._outranked():
+                    wait = self._rise()
+                else:
+                    wait = self._renew() if self._epoch is not None else self._campaign()
                 self.unreachable_since = None
             except EtcdError as exc:  # unavailable or refused: the deadline still decides
                 log.warning("leadership: %s", exc.message)
@@ -153,7 +174,8 @@ class Leadership:
                 wait = CAMPAIGN_POLL if self._epoch is None else RENEW_EVERY / 4
             if self._epoch is not None and time.monotonic() >= self._deadline:
                 self.step_down("the lease ran out before it could be renewed")
-            self._stopping.wait(max(wait, 0.0))
+            self._wake.wait(max(wait, 0.0))
+            self._wake.clear()
 
     def _unreachable(self) -> None:
         """etcd does not answer: note since when, and forget who led (it cannot be known now)."""
@@ -188,6 +210,31 @@ class Leadership:
                 log.exception("on_lost callback failed")
 
     # --- one turn ------------------------------------------------------------------------------
+    def _outranked(self) -> bool:
+        with self._lock:
+            return self._epoch is not None and self._above is not None and self._above >= self._epoch
+
+    def _rise(self) -> float:
+        """Raise the store's generation above the epoch an agent accepted, then step down to stand again."""
+        with self._lock:
+            epoch, raw, above = self._epoch, self._generation_raw, self._above
+        if epoch is None or above is None:
+            return 0.0
+        generation = max(epoch.generation, above.generation) + 1
+        raised = self._raise_generation(epoch, raw, generation)
+        self.step_down(f"a node accepted epoch {above}, above its own: the store's generation is now {generation}, "
+                       "and it stands again" if raised else "it no longer led when it raised the store's generation")
+        return 0.0
+
+    def _raise_generation(self, epoch: Epoch, raw: bytes, generation: int) -> bool:
+        """Write ``generation`` and give up the leader key in one transaction, only while ``epoch`` leads."""
+        result = self.client.txn(self.guard_for(epoch, raw),
+                                 [etcdv3.put(self.generation_key, _generation_value(generation)),
+                                  etcdv3.delete(self.leader_key)])
+        if result.succeeded:
+            log.warning("%s raised the store's generation to %d", self.name, generation)
+        return result.succeeded
+
     def _campaign(self) -> float:
         current = self.client.get(self.leader_key)
         if current is not None:
@@ -207,6 +254,12 @@ class Leadership:
             self.client.lease_revoke(lease)
             return 0.0  # someone else was first: read who
         epoch = Epoch(generation, result.revision)
+        with self._lock:
+            above = self._above
+        if above is not None and above >= epoch:  # won below an epoch an agent accepted: raise it before leading
+            self._raise_generation(epoch, raw, max(generation, above.generation) + 1)
+            self.client.lease_revoke(lease)
+            return 0.0
         with self._lock:
             self._epoch, self._lease, self._generation_raw = epoch, lease, raw
             self._deadline = sent + granted - SAFETY_MARGIN
@@ -239,16 +292,13 @@ class Leadership:
         return min(RENEW_EVERY, max(0.0, left / 2))
 
     def _generation(self) -> tuple[int, bytes]:
-        """This store's generation, written once by whichever manager comes first."""
-        fresh = json.dumps({"ms": time.time_ns() // 1_000_000, "id": secrets.token_hex(8)}).encode()
-        self.client.txn([etcdv3.created_at(self.generation_key, 0)], [etcdv3.put(self.generation_key, fresh)])
+        """This store's generation (1 in a new store, written by whichever manager comes first) and its raw value."""
+        self.client.txn([etcdv3.created_at(self.generation_key, 0)],
+                        [etcdv3.put(self.generation_key, _generation_value(1))])
         found = self.client.get(self.generation_key)
         if found is None:
             raise EtcdError("the store's generation key vanished right after it was written")
-        try:
-            return int(json.loads(found.value)["ms"]), found.value
-        except (ValueError, KeyError, TypeError) as exc:
-            raise EtcdError(f"the store's generation key holds {found.value[:80]!r}, not a generation") from exc
+        return generation_of(found.value), found.value
 
     def _seen(self, current: KeyValue) -> None:
         try:
@@ -258,3 +308,17 @@ class Leadership:
             leader = {"name": "", "api": ""}
         with self._lock:
             self._leader = leader
+
+
+def _generation_value(generation: int) -> bytes:
+    """What ``<prefix>generation`` holds: the counter, and a random id so that no two writes hold the same bytes."""
+    return json.dumps({"generation": generation, "id": secrets.token_hex(8)}).encode()
+
+
+def generation_of(raw: bytes) -> int:
+    """The generation ``<prefix>generation`` holds (``ms``: the clock time written before it was a counter)."""
+    try:
+        data = json.loads(raw)
+        return int(data["generation"] if "generation" in data else data["ms"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise EtcdError(f"the store's generation key holds {raw[:80]!r}, not a generation") from exc

@@ -158,6 +158,10 @@ class Refused(Message):
     message: str = Field(max_length=4096)
 
 
+#: one half of an epoch on the wire: a strict non-negative 64-bit integer (never a string or a bool)
+_EpochPart = Annotated[int, Field(strict=True, ge=0, lt=2**63)]
+
+
 class Register(Message):
     """Agent → manager on connect: who I am, my GPUs, and the managed containers I already run."""
 
@@ -173,6 +177,11 @@ class Register(Message):
     version: str = Field(default="", max_length=32, pattern=r"^[0-9A-Za-z.+-]*$")  # issue 21
     #: the node's labels from its operator (``node.labels.KEY`` constraints)
     labels: dict[str, str] = Field(default_factory=dict, max_length=defaults.MAX_NODE_LABELS)
+    #: the highest leader epoch the agent accepted (its fence), ``[generation, revision]``; a leader below it takes
+    #: a higher generation in the store and stands again (an etcd restored from a snapshot, or rebuilt)
+    epoch: tuple[_EpochPart, _EpochPart] | None = None
+    #: why its fence file cannot be written ("": it can); the manager places nothing there meanwhile
+    fence_unwritable: str = Field(default="", max_length=512)
 
 
 class Registered(Message):
@@ -189,6 +198,8 @@ class Heartbeat(Message):
     node: str
     gpus: list[GpuSample]
     containers: list[ContainerStatus] = Field(default_factory=list, max_length=defaults.MAX_CONTAINERS_PER_NODE)
+    #: as in :class:`Register`: why the fence cannot be written now ("" once it can, and the node takes commands)
+    fence_unwritable: str = Field(default="", max_length=512)
 
 
 class Reregister(Message):
@@ -336,10 +347,6 @@ class Reply(Message):
     ok: bool
     result: dict[str, Any] = Field(default_factory=dict)
     error: ErrorBody | None = None
-
-
-#: one half of an epoch on the wire: a strict non-negative 64-bit integer (never a string or a bool)
-_EpochPart = Annotated[int, Field(strict=True, ge=0, lt=2**63)]
 
 
 class Envelope(_Model):
