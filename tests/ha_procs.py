@@ -53,8 +53,10 @@ class HaManager(ManagerProc):
 class HaManagers:
     """``count`` managers sharing the etcd at ``endpoints`` under a prefix of the test's own."""
 
-    def __init__(self, tmp: Path, endpoints: list[str], count: int = 3, prefix: str = "ha-test") -> None:
+    def __init__(self, tmp: Path, endpoints: list[str], count: int = 3, prefix: str = "ha-test",
+                 env: dict[str, str] | None = None) -> None:
         self.tmp = tmp
+        self.env = env  # every manager's GPUMGR_* settings (the chaos harness's clock)
         self.store = "etcd://" + ",".join(e.removeprefix("http://") for e in endpoints) + "/" + prefix
         self.key = tmp / "shared-key" / KEY_FILE
         self.key.parent.mkdir(mode=0o700, exist_ok=True)
@@ -71,7 +73,7 @@ class HaManagers:
         api_port = api_port or free_port()
         shared_state(self.tmp, f"manager-state-{api_port}")
         manager = HaManager(self.tmp, "--store", self.store, "--advertise-api", f"http://127.0.0.1:{api_port}",
-                            api_port=api_port, agent_port=agent_port)
+                            api_port=api_port, agent_port=agent_port, env=self.env)
         self.managers = [m for m in self.managers if m.api_port != api_port] + [manager]
         return manager
 
