@@ -17,7 +17,7 @@ from tests.procs import TEST_NODES, AgentProc, ManagerProc
 #: The ``GPUMGR_*`` variables the test harness itself reads (CI and tests/run set them); any other is the user's own
 #: (``GPUMGR_TOKEN`` and ``GPUMGR_MANAGER``, as the README tells users of docker gpu and the client to export).
 HARNESS_ENV = frozenset({"GPUMGR_REQUIRE_DOCKER", "GPUMGR_REQUIRE_GPU", "GPUMGR_REQUIRE_ETCD", "GPUMGR_REQUIRE_BROWSER",
-                         "GPUMGR_VENV", "GPUMGR_IMAGE_CACHE", "GPUMGR_MODEL_EXAMPLES"})
+                         "GPUMGR_VENV", "GPUMGR_IMAGE_CACHE", "GPUMGR_MODEL_EXAMPLES", "GPUMGR_CHAOS_SEED"})
 
 
 def pytest_configure(config: pytest.Config) -> None:
