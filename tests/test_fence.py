@@ -170,6 +170,25 @@ def test_a_real_agent_refuses_older_epochs_across_its_restart(tmp_path) -> None:
         manager.link.stop()
 
 
+def test_a_real_agent_answers_every_kind_of_frame_from_a_lower_epoch_with_its_own_epoch(tmp_path) -> None:
+    """Issue 31, item 7: not only commands. A ``Registered`` or ``Reregister`` of a leader below the agent's fence
+    (an etcd restored from a snapshot) was dropped in silence, and that leader never learnt why no node followed it."""
+    manager = EpochManager(tmp_path / "manager")
+    agent = agent_proc(tmp_path, manager.link.bound_endpoint, manager.admission.token())
+    try:
+        assert manager.registered.wait(20), agent.output()
+        manager.command(NEW)  # the agent's fence is now NEW
+        assert manager.peer is not None
+        manager.epoch = OLD
+        for message in (protocol.Registered(heartbeat_interval=1.0), protocol.Reregister()):
+            told = manager.link.request(manager.peer.routing_id, message, 10)
+            assert not told.ok and told.error is not None and told.error.code == "stale_epoch", (message, told)
+            assert Epoch.from_wire(told.result["epoch"]) == NEW
+    finally:
+        agent.stop()
+        manager.link.stop()
+
+
 def test_an_agent_keeps_a_connection_to_every_manager_and_refuses_a_deposed_leader_on_its_own(tmp_path) -> None:
     """Issue 21: one CURVE connection per manager given; registration and heartbeats go to the leader only.
 
