@@ -95,6 +95,8 @@ class Reserver:
 
     def ask(self, term: int) -> None:
         """Ask for a block for ``term``; returns at once (safe under the log's lock)."""
+        if self._asked == term:  # asked already and not yet taken up: no lock on every event while ids run short
+            return
         with self._cond:
             self._asked = term
             if self._thread is None:

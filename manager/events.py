@@ -55,8 +55,9 @@ class EventLog:
         #: events still waiting for an id (no block yet this term, or past the unreserved bound), oldest first
         self._pending: deque[tuple[Any, ...]] = deque(maxlen=size)
         self._lock = threading.Lock()
-        self._block = max(2, block or ID_BLOCK)  # past a block, one id tells readers the ids went unreserved
         stored = reserve is not None or state_dir is not None
+        # past a block, one id tells readers the ids went unreserved; in memory one block lasts for ever
+        self._block = max(2, block or ID_BLOCK) if stored else 1 << 62
         #: ids each term leaves unused above the store's ceiling, and the most handed out past a reservation
         self._gap = self._block if stored else 0
         source = reserve or (IdFile(state_dir).reserve if state_dir is not None else Counter().reserve)
