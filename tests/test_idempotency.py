@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -194,9 +195,15 @@ def test_a_key_survives_a_restart_and_its_container_answers_the_repeat(tmp_path:
         stop = threading.Event()
         serving = agent.serve(stop)
         client = create_app(first).test_client()
-        unknown = client.post("/v1/containers", json=body(), headers={"Idempotency-Key": "k-restart"})
-        done = client.post("/v1/containers", json=body(name="done"), headers={"Idempotency-Key": "k-done"})
-        assert unknown.json["error"]["code"] in UNKNOWN and done.json["error"]["code"] in UNKNOWN
+        answers: dict[str, Any] = {}
+        sends = [threading.Thread(target=lambda k=k, b=b: answers.update({k: client.post(
+            "/v1/containers", json=b, headers={"Idempotency-Key": k})})) for k, b in (("k-restart", body()),
+                                                                                    ("k-done", body(name="done")))]
+        for send in sends:  # both at once: each waits out the create's timeout
+            send.start()
+        for send in sends:
+            send.join(60)
+        assert {answers[k].json["error"]["code"] in UNKNOWN for k in ("k-restart", "k-done")} == {True}
         stop.set()
         serving.join(2)
     finally:
