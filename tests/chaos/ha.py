@@ -126,7 +126,8 @@ class Fault:
     """One fault: ``stop_leader`` (SIGSTOP, then SIGCONT), ``kill_leader`` (kill -9, then started again on
     its ports), ``kill_etcd`` (``count`` members kill -9'd, then started again on their data; ``count`` 2 of 3
     loses quorum) or ``restart_agent`` (kill -9 of ``target``'s agent, started again on its state directory);
-    ``at`` seconds after the load starts, healed ``lasts`` seconds later."""
+    ``at`` seconds after the load starts (an agent: once a create is under way there, within 3 s), healed
+    ``lasts`` seconds later."""
 
     kind: str
     at: float
@@ -218,9 +219,20 @@ class Faults:
                 member.kill()
             self.taken[fault] = members
         else:
+            self._creating(fault.target)
             agent = stack.agents[fault.target]
             agent.stop(signal.SIGKILL)
             self.taken[fault] = [agent]
+
+    def _creating(self, node: str, within: float = 3.0) -> None:
+        """Wait (at most ``within`` seconds) until ``node``'s engine has a container created and not yet
+        started: an agent killed then is in the middle of a create, the case a restart must get right."""
+        if self.stack.docker is None:
+            return
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline and not self.stack.docker.api.containers(
+                all=True, filters={"label": f"gpumgr.node={node}", "status": "created"}):
+            time.sleep(0.02)
 
     def heal(self, fault: Fault) -> None:
         stack = self.stack

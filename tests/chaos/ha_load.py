@@ -6,7 +6,8 @@
 - every POST carries an ``Idempotency-Key`` header and the same key in the label ``chaos.key`` (and the
   run's name in ``chaos.run``), and is resent with that key, to any manager, after a connection error,
   502 ``outcome_unknown`` or 409 ``in_progress``, for at most :data:`RESEND_FOR` seconds;
-- a DELETE is resent the same way until it is answered 200, 202 or 404; a PATCH is sent once.
+- a DELETE is resent the same way until it is answered 200, 202 or 404 (then the client takes the container
+  as gone, and so must the engine); a PATCH is sent once.
 
 :class:`Told` keeps, per key and per record, what the clients were finally told, and :func:`problems`
 compares it with the engine's containers (found by their ``chaos.key`` label, so nothing here depends on
@@ -14,7 +15,8 @@ how the manager implements the key) and with the leader's records:
 
 - no key ever had more than one container (:class:`KeyWatch` counts every create the engine reports for
   the run, so a duplicate removed again is still caught);
-- a 201 runs (or is gone within :data:`GONE_WITHIN` of the heal if its DELETE was answered 200/202);
+- a 201 runs, or, if its DELETE was answered 200/202, is removed from the engine (not only stopped) within
+  :data:`GONE_WITHIN` of the heal;
 - a 202 queued request runs, is still queued with no container, or ended with a reason;
 - a POST only ever refused (never answered ``outcome_unknown`` nor left unanswered) never ran;
 - a PATCH answered 200 is the record's figure, and the agent confirmed it (held = granted).
@@ -51,7 +53,8 @@ GONE_WITHIN = 10.0
 COMMAND = ["sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"]
 SIZES = (2 * GiB, 4 * GiB)
 #: 5xx codes that say the request was not carried out (nobody leads, no quorum, the store refused, ...)
-REFUSALS = frozenset({"no_quorum", "not_leader", "no_leader", "store_unavailable", "no_agents", "agent_failed"})
+REFUSALS = frozenset({"no_quorum", "not_leader", "no_leader", "store_unavailable", "no_agents", "agent_failed",
+                      "fenced"})
 LIVE = {"creating", "running"}
 ENDED = {"exited", "killed", "failed", "removed", "expired", "preempted"}
 
@@ -88,6 +91,8 @@ class Told:
     posts: dict[str, Post] = field(default_factory=dict)
     #: record id → when its DELETE was answered 200/202
     deleted: dict[str, float] = field(default_factory=dict)
+    #: record ids (answered 201 or 202) whose DELETE was answered 404: the client takes them as gone
+    not_found: set[str] = field(default_factory=set)
     #: record ids whose DELETE got no definite answer: they may run or not
     doubtful: set[str] = field(default_factory=set)
     #: record id → the figure its last PATCH answered 200 set, or None after a PATCH with no definite answer
@@ -195,11 +200,13 @@ class KeyedLoad(Load):
             time.sleep(pause)
             pause = min(2 * pause, BACKOFF_MAX)
         with self.told.lock, self._lock:
-            if status in (200, 202):
+            if status in (200, 202, 404):  # 404: told there is no such container, so it must not run
                 self.told.deleted[cid] = time.monotonic()
                 self.told.doubtful.discard(cid)
+                if status == 404:
+                    self.told.not_found.add(cid)
                 self._live -= 1
-            elif status == 404 or status == 0 or status >= 500:
+            elif status == 0 or status >= 500:
                 self.told.doubtful.add(cid)  # it may be gone or not: no longer the load's
                 self._live -= 1
             else:
@@ -260,7 +267,7 @@ def problems(told: Told, records: list[dict[str, Any]], engine: list[dict[str, A
     now = time.monotonic()
     with told.lock:
         posts, deleted = list(told.posts.values()), dict(told.deleted)
-        doubtful, patched = set(told.doubtful), dict(told.patched)
+        doubtful, patched, not_found = set(told.doubtful), dict(told.patched), set(told.not_found)
         found: list[str] = []
     by_key: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for container in engine:
@@ -281,10 +288,11 @@ def problems(told: Told, records: list[dict[str, Any]], engine: list[dict[str, A
         record = record_of.get(post.id)
         state = record["state"] if record else "no record"
         if post.id in deleted:
-            if running and now > max(deleted[post.id], healed) + GONE_WITHIN:
+            if mine and now > max(deleted[post.id], healed) + GONE_WITHIN:
                 late.add(post.id)
-            if running:
-                found.append(f"{post}: DELETE'd {post.id}, still running on the engine (record {state})")
+            if mine:
+                how = "answered 404 to its DELETE" if post.id in not_found else "DELETE'd"
+                found.append(f"{post}: {how} {post.id}, still on the engine ({mine[0]['State']}; record {state})")
             elif state in LIVE or state == "queued":
                 found.append(f"{post}: DELETE'd {post.id} is gone from the engine, its record is {state}")
         elif post.verdict == "created" and (len(running) != 1 or state != "running"):
