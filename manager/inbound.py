@@ -16,7 +16,7 @@ from gpumgr.manager.hook_policy import hook_tenant  # issue 22
 from gpumgr.manager.records import Container, PlacementSpec
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.epoch import Epoch
-from gpumgr.wire.errors import AgentFailed, GpumgrError, NotFound
+from gpumgr.wire.errors import GpumgrError, NotFound, OutcomeUnknown
 from gpumgr.wire.link import Peer
 from gpumgr.wire.names import LIVE, EventType, State
 
@@ -170,8 +170,8 @@ class Inbound:
                            key=peer.key)
             return
         if restarted:  # a new agent process: the old one answers nothing it was asked
-            self.link.fail_peer(b"", AgentFailed(f"the agent of node {message.node} restarted before answering"),
-                                key=peer.key)
+            self.link.fail_peer(b"", OutcomeUnknown(f"the agent of node {message.node} restarted before answering: "
+                                                    "what it was asked may have been done"), key=peer.key)
         self.cluster.refuse_adoptions(message.node, message.refused)
         interval = self.manager.settings.heartbeat_interval
         self.link.send(peer.routing_id, protocol.Registered(heartbeat_interval=interval), reply_to=envelope.id,

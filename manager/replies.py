@@ -2,8 +2,8 @@
 
 Only the reply for the operation in flight counts (an older one's is ignored). A create answered
 with a report runs; one refused, or never delivered, failed and made nothing; one unanswered may
-have made a container, so the record keeps its grant, desired ``removed``, until its node reports
-it or a deadline ends it. A remove answered (or ``not_found``) ended it; a refused one leaves it
+have made a container, so the record keeps its grant until its node reports it (then it runs: its
+caller was told ``outcome_unknown``, not that it failed) or a deadline ends it. A remove answered (or ``not_found``) ended it; a refused one leaves it
 running (or lets a preemption try again, later); one unanswered or never delivered keeps its
 desired state, which the node's next report carries out. Nothing is planned again at once after a
 failure: only an operation that succeeded is followed up here, the rest by the node's next report.
@@ -98,7 +98,8 @@ class Replies:
             self.life.outcome("failed")
             self.life.move(record, State.FAILED, refused.message, error=refused)
             return
-        # unanswered: the container may exist; it goes once its node reports it, or its deadline ends the grant
-        self.life.desire(record, State.REMOVED, f"its create was not answered in time ({lost.message})")
+        # unanswered: the container may exist, and the caller was told so (502 outcome_unknown): it keeps its grant
+        # and its desired state, runs once its node reports it, and ends "never confirmed" at its deadline if not.
+        # (It is not removed on sight: a caller that looks, or resends its Idempotency-Key, is told it runs.)
         record.deadline = self.life.clock.monotonic() + 2 * self.reconciler.down_after + defaults.CREATE_MARGIN
         self.life.end_op(record, op, lost)

@@ -442,6 +442,10 @@ def strategy_for(annotation: Any, metadata: list[Any] | tuple[Any, ...] = ()) ->
     if origin is list:
         return st.lists(strategy_for(args[0]), min_size=bound.get("min_length", 0),
                         max_size=min(bound.get("max_length", 3), max(bound.get("min_length", 0), 3)))
+    if origin is typing.Annotated:  # a constrained element (the fence's epoch: two bounded ints)
+        return strategy_for(args[0], [m for a in args[1:] for m in getattr(a, "metadata", [a])])
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        return st.tuples(*(strategy_for(a) for a in args))
     if origin is dict:
         return st.dictionaries(strategy_for(args[0]), strategy_for(args[1]), max_size=3)
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
