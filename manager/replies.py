@@ -3,9 +3,10 @@
 Only the reply for the operation in flight counts (an older one's is ignored). A create answered
 with a report runs; one refused, or never delivered, failed and made nothing; one unanswered may
 have made a container, so the record keeps its grant until its node reports it (then it runs: its
-caller was told ``outcome_unknown``, not that it failed) or a deadline ends it. A remove answered (or ``not_found``) ended it; a refused one leaves it
-running (or lets a preemption try again, later); one unanswered or never delivered keeps its
-desired state, which the node's next report carries out. Nothing is planned again at once after a
+caller was told ``outcome_unknown``, not that it failed) or a deadline ends it. A remove answered
+(or ``not_found``) ended it; a refused one leaves it running (or lets a preemption try again,
+later); one unanswered or never delivered keeps its desired state, which the node's next report
+carries out. Nothing is planned again at once after a
 failure: only an operation that succeeded is followed up here, the rest by the node's next report.
 A node's refusal reaches the REST caller as the engine's words, a 4xx where the caller was at
 fault (:func:`agent_error`).
