@@ -168,7 +168,7 @@ class Gpu:
 
 @dataclass(frozen=True)
 class Node:
-    """A host with an agent: ``state`` is ``ready`` or ``down``."""
+    """A host with an agent: ``state`` is ``ready`` or ``down``; ``unusable`` says why a ready one takes nothing."""
 
     name: str
     state: str
@@ -176,13 +176,15 @@ class Node:
     runtime: str
     gpus: list[Gpu]
     labels: dict[str, str]  # issue 23
-    raw: dict[str, Any] = field(repr=False, compare=False)
+    #: why nothing is placed on it though it is ready (its agent cannot write its fence), else None
+    unusable: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Node:
         return cls(name=data["name"], state=data["state"], last_seen=data["last_seen"], runtime=data["runtime"],
                    gpus=[Gpu.from_json(g) for g in data["gpus"]], labels=dict(data.get("labels") or {}),
-                   raw=data)  # issue 23
+                   unusable=data.get("unusable"), raw=data)  # issue 23
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,8 @@ FORWARDED = "X-Gpumgr-Forwarded"
 #: Request headers that travel to the leader (the leader checks the token itself).
 PASSED = ("Authorization", "Content-Type", "Accept", "If-None-Match", "User-Agent", "Idempotency-Key")
 #: Answer headers that travel back.
-RETURNED = ("Content-Type", "ETag", "Retry-After", "Location", "WWW-Authenticate", "Cache-Control")
+RETURNED = ("Content-Type", "ETag", "Retry-After", "Location", "WWW-Authenticate", "Cache-Control",
+            "Idempotent-Replayed")
 POLL = 0.05
 _local = threading.local()
 

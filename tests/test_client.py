@@ -268,7 +268,8 @@ def test_the_readmes_example_runs(tmp_path, monkeypatch, docker_client, test_ima
 
     text = (ROOT / "README.md").read_text()
     block = re.search(r"### From Python: `gpumgr.client`.*?```python\n(.*?)```", text, re.S)[1]
-    block = block.replace('"pytorch:2", "python train.py"', f'"{test_image}", "sh -c \'echo hi; exit 3\'"')
+    # it runs a moment, so the example's resize finds it running however fast the create is answered
+    block = block.replace('"pytorch:2", "python train.py"', f'"{test_image}", "sh -c \'sleep 2; echo hi; exit 3\'"')
     block = block.replace('types=["killed"])', 'types=["placed"], follow=False)')
     manager = ManagerProc(tmp_path)
     agent = AgentProc(tmp_path, manager, "client23-readme", gpus="sim:2x24GiB")
