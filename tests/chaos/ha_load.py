@@ -316,4 +316,4 @@ def problems(told: Told, records: list[dict[str, Any]], engine: list[dict[str, A
             found.append(f"{cid}: PATCH answered 200 with {figure} bytes, the record says {record['gpu_memory']}")
         elif record["gpu_memory_held"] != figure:
             found.append(f"{cid}: PATCH answered 200 with {figure} bytes, the node holds {record['gpu_memory_held']}")
-    return found + [f"{cid} (DELETE'd) still ran {GONE_WITHIN:g}s after the heal" for cid in sorted(late)]
+    return found + [f"{cid} (DELETE'd) was still on the engine {GONE_WITHIN:g}s after the heal" for cid in sorted(late)]
