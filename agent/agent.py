@@ -8,7 +8,7 @@ containers) on a worker thread of their own, the fence is written by its own thr
 delivered twice runs once (:mod:`gpumgr.agent.ops`). ZeroMQ reconnects with capped
 backoff on its own; registration is retried with the same backoff until the manager answers, and
 repeated whenever the manager says it does not know this node (it restarted). The socket belongs to
-a :class:`~gpumgr.wire.link.Link` (a DEALER) whose owner thread is the one that calls :meth:`Agent.run`.
+a :class:`~gpumgr.wire.link.link.Link` (a DEALER) whose owner thread is the one that calls :meth:`Agent.run`.
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ from typing import Any
 import zmq
 
 from gpumgr import __version__
-from gpumgr.agent import swarm_labels
 from gpumgr.agent.enforcer import Enforcer, EnforcerSettings
 from gpumgr.agent.fence import Fence, FenceUnwritable
-from gpumgr.agent.gpus import GpuSource
-from gpumgr.agent.hookrelay import MANAGER, HookRelay, bind_relay
+from gpumgr.agent.gpus.source import GpuSource
+from gpumgr.agent.hook.hookrelay import MANAGER, HookRelay, bind_relay
 from gpumgr.agent.identity import Identity
 from gpumgr.agent.managers import (
     NO_LEADER,
@@ -44,12 +43,13 @@ from gpumgr.agent.managers import (
 )
 from gpumgr.agent.meter import Sample, take_sample
 from gpumgr.agent.ops import OpKey, Ops, op_key
-from gpumgr.agent.runtime import ChangeCallback, Managed, Runtime
+from gpumgr.agent.runtimes import swarm_labels
+from gpumgr.agent.runtimes.runtime import ChangeCallback, Managed, Runtime
 from gpumgr.agent.screening import Screen, not_leader
 from gpumgr.wire import defaults, protocol, security
 from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.errors import AgentFailed, AgentTimeout, GpumgrError, PolicyDenied, ProtocolError
-from gpumgr.wire.link import Link, LinkHooks, Peer
+from gpumgr.wire.link.link import Link, LinkHooks, Peer
 from gpumgr.wire.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -468,8 +468,8 @@ def build_runtime(kind: str, on_change: ChangeCallback, *, network_mode: str | N
     (it is restarting), the agent waits for it rather than quietly running containers as host processes;
     only a host with no engine at all gets the process runtime.
     """
-    from gpumgr.agent.docker_runtime import DockerRuntime, docker_answers, docker_installed
-    from gpumgr.agent.process_runtime import ProcessRuntime
+    from gpumgr.agent.runtimes.docker_runtime import DockerRuntime, docker_answers, docker_installed
+    from gpumgr.agent.runtimes.process_runtime import ProcessRuntime
 
     if kind == "auto":
         kind = "docker" if docker_installed() else "process"

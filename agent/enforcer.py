@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpumgr.agent import procmap
-from gpumgr.agent.gpus import Device, GpuSource
+from gpumgr.agent.gpus.source import Device, GpuSource
 from gpumgr.agent.meter import Sample, take_sample
-from gpumgr.agent.runtime import Managed, Runtime
+from gpumgr.agent.runtimes.runtime import Managed, Runtime
 from gpumgr.wire import defaults
 from gpumgr.wire.names import State
 

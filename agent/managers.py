@@ -2,7 +2,7 @@
 
 ``--manager tcp://m1:9401,tcp://m2:9401,tcp://m3:9401`` names every manager of one control plane; they
 share one CURVE key pair, so the agent's join token and trust cover all of them. The agent keeps one
-connection to each of them (:class:`gpumgr.wire.link.Link` with ``peers``) and follows one: it joins,
+connection to each of them (:class:`gpumgr.wire.link.link.Link` with ``peers``) and follows one: it joins,
 registers and heartbeats only there. It moves to the next address in the ring when that one stops
 answering (its join or registration goes unanswered, or frames to it cannot leave for
 :data:`SILENT_AFTER` seconds: a killed manager drops the connection at once, and a paused one is found

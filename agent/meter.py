@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from gpumgr.agent.gpus import Device, GpuSource
+from gpumgr.agent.gpus.source import Device, GpuSource
 from gpumgr.agent.procmap import start_time_of
-from gpumgr.agent.runtime import Runtime
+from gpumgr.agent.runtimes.runtime import Runtime
 from gpumgr.wire import defaults
 from gpumgr.wire.protocol import GpuSample
 

@@ -17,7 +17,7 @@ from gpumgr.agent.fence import Fence, StaleEpoch
 from gpumgr.agent.managers import NO_LEADER, NOT_LEADER
 from gpumgr.wire import protocol
 from gpumgr.wire.epoch import Epoch
-from gpumgr.wire.link import Peer
+from gpumgr.wire.link.link import Peer
 
 log = logging.getLogger(__name__)
 

@@ -246,9 +246,9 @@ def breakdown(node: str, gpus: str, poll: float = 0.1, sample: float = 1.0, roun
         import threading
 
         from gpumgr.agent import procmap
-        from gpumgr.agent.docker_runtime import DockerRuntime
         from gpumgr.agent.enforcer import Enforcer
-        from gpumgr.agent.gpus import open_source
+        from gpumgr.agent.gpus.select import open_source
+        from gpumgr.agent.runtimes.docker_runtime import DockerRuntime
         from gpumgr.wire import protocol
 
         source = open_source(gpus, seed=node)

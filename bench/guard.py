@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import docker
 
 from bench.harness import IMAGE, machine, machine_line, median, save, summary, table
-from gpumgr.agent.guard import Guard, GuardState
-from gpumgr.plugin.guard_install import UnixConnection
-from gpumgr.wire import gpudev
+from gpumgr.agent.guard.guard import Guard, GuardState
+from gpumgr.plugin.install.guard_install import UnixConnection
+from gpumgr.wire.engine import gpudev
 from tests.guard_dockerd import GuardEngine
 from tests.guardproc import GuardProc
 from tests.images import busybox_tar

@@ -38,7 +38,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import interrupt, machine, machine_line, save, summary, table, wait_for
-from gpumgr.manager.etcdv3 import b64
+from gpumgr.manager.control.etcdv3 import b64
 from tests.etcd import EtcdCluster
 from tests.ha_procs import HaManager, HaManagers
 from tests.procs import AgentProc, ManagerProc

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpumgr.manager.idempotency import FileKeys
+from gpumgr.manager.control.idempotency import FileKeys
 
 
 def main(argv: list[str] | None = None) -> int:

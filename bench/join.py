@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import zmq
 
 from bench.harness import GiB, machine, machine_line, median, save, summary, table
-from gpumgr.manager.admission import Admission
 from gpumgr.manager.config import ManagerSettings
+from gpumgr.manager.link.admission import Admission
 from gpumgr.manager.service import Manager
 from gpumgr.wire import protocol, security
 

@@ -1,6 +1,6 @@
 """The agent link with CURVE against without: round trip, messages/s, and REST placements/s through it.
 
-The product has no plaintext mode, so the baseline is built here: the same ``gpumgr.wire.link.Link``
+The product has no plaintext mode, so the baseline is built here: the same ``gpumgr.wire.link.link.Link``
 pair (a ROUTER bound on ``tcp://127.0.0.1:0``, a DEALER connected to it, each with a ZeroMQ context of
 its own as in two processes) with a ``configure`` that applies no security, against one whose
 ROUTER is a CURVE server (``security.serve_curve``, ZAP handler from ``security.start_authenticator``
@@ -46,7 +46,7 @@ import zmq
 
 from bench.harness import GiB, machine, machine_line, median, save, summary, table, wait_for
 from gpumgr.wire import protocol
-from gpumgr.wire.link import Link, Peer
+from gpumgr.wire.link.link import Link, Peer
 
 SECURE = importlib.util.find_spec("gpumgr.wire.security") is not None
 ARMS = ("plain", "curve")
@@ -239,7 +239,7 @@ def link_arms(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
 
 def rest_placements(args: argparse.Namespace) -> dict[str, list[float]]:
     """Placements/s of sequential ``POST /v1/containers`` through an in-process manager and a scripted agent."""
-    from gpumgr.manager.app import create_app
+    from gpumgr.manager.api.app import create_app
     from gpumgr.manager.config import ManagerSettings
     from gpumgr.manager.service import Manager
     from tests.fake_agent import FakeAgent

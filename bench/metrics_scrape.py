@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from prometheus_client import generate_latest
 
 from bench.harness import machine, machine_line, median, save, summary, table
-from gpumgr.manager.cluster import Cluster
-from gpumgr.manager.metrics import Metrics
-from gpumgr.manager.records import PlacementSpec
+from gpumgr.manager.api.metrics import Metrics
+from gpumgr.manager.model.cluster import Cluster
+from gpumgr.manager.model.records import PlacementSpec
 from gpumgr.wire.names import State
 from gpumgr.wire.protocol import ContainerReport, GpuInfo
 

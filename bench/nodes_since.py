@@ -1,6 +1,6 @@
 """What ``GET /v1/nodes`` costs the manager itself, step by step, on a map of ``--nodes`` × ``--gpus`` in one process.
 
-No sockets and no other threads: a :class:`~gpumgr.manager.cluster.Cluster` is filled as
+No sockets and no other threads: a :class:`~gpumgr.manager.model.cluster.Cluster` is filled as
 ``bench/scheduler.py`` fills it (80% reserved), served by the real :class:`NodesCache` through Flask's
 test client, and each step is timed ``--reps`` times (median and p99, in ms):
 
@@ -32,9 +32,9 @@ from flask import Flask, request
 
 from bench.harness import GiB, machine, machine_line, pct, save, table
 from bench.scheduler import build
-from gpumgr.manager import nodes_cache
-from gpumgr.manager.cluster import PlacementSpec, State
-from gpumgr.manager.nodes_cache import NodesCache
+from gpumgr.manager.api import nodes_cache
+from gpumgr.manager.api.nodes_cache import NodesCache
+from gpumgr.manager.model.cluster import PlacementSpec, State
 
 
 def timed(step: Callable[[], Any], reps: int, before: Callable[[], Any] = lambda: None) -> list[float]:

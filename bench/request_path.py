@@ -2,7 +2,7 @@
 
 An in-process manager on a real link with one scripted agent (``tests.fake_agent.scripted_stack``)
 places one warm-up container, then one traced POST ``/v1/containers``. A profiler (``sys.setprofile``)
-on the REST thread follows the request's :class:`~gpumgr.manager.records.PlacementSpec`: every call of
+on the REST thread follows the request's :class:`~gpumgr.manager.model.records.PlacementSpec`: every call of
 gpumgr's own code whose arguments or locals hold that very object (by identity) is one step, from the
 first such call to the last; a call holding the record made of it (``record.spec``), a command of that
 record, or a list of them counts too. A method of the record or the spec itself (a property such as
@@ -32,7 +32,7 @@ PARTS = ("manager", "agent", "wire", "plugin", "gpumgr")
 
 def trace_post(client: Any, body: dict[str, Any]) -> list[tuple[str, str]]:
     """``(file, function)`` of every call of gpumgr's code that holds the POST's spec, in order."""
-    from gpumgr.manager.records import PlacementSpec
+    from gpumgr.manager.model.records import PlacementSpec
 
     steps: list[tuple[str, str]] = []
     followed: list[PlacementSpec] = []

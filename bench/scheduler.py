@@ -39,8 +39,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import ROOT, GiB, median, save, table
-from gpumgr.manager import scheduler as new_scheduler
-from gpumgr.manager.cluster import Cluster, PlacementSpec, State
+from gpumgr.manager.model.cluster import Cluster, PlacementSpec, State
+from gpumgr.manager.placing import scheduler as new_scheduler
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import NoFit
 from gpumgr.wire.protocol import GpuInfo, GpuSample
@@ -208,7 +208,7 @@ if old:
                  "wire.protocol"):
         sys.modules["gpumgr." + name] = importlib.import_module(name)
 else:
-    import gpumgr.manager.cluster
+    import gpumgr.manager.model.cluster
 sys.path.insert(1, root)
 import bench.scheduler
 sys.exit(bench.scheduler.main(argv))

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import GiB, median, save, table
 from bench.scheduler import MIX_GIB, build, time_reserve_release
-from gpumgr.manager.cluster import Cluster, PlacementSpec
-from gpumgr.manager.records import Command, Container, Op, OpKind
+from gpumgr.manager.model.cluster import Cluster, PlacementSpec
+from gpumgr.manager.model.records import Command, Container, Op, OpKind
 from gpumgr.wire import defaults
 from gpumgr.wire.names import EXITED, EventType
 

@@ -36,9 +36,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import machine, machine_line, save, summary, table, wait_for
-from gpumgr.manager.leadership import LEASE_TTL, Leadership
-from gpumgr.manager.store import FileStore, Store
-from gpumgr.manager.store_etcd import EtcdStore
+from gpumgr.manager.control.leadership import LEASE_TTL, Leadership
+from gpumgr.manager.control.store import FileStore, Store
+from gpumgr.manager.control.store_etcd import EtcdStore
 from tests.campaigner import CampaignerProc as Campaigner
 from tests.etcd import EtcdCluster
 

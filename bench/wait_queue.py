@@ -53,8 +53,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import GiB, Stack, machine, machine_line, median, save, stack, summary, table, wait_for
-from gpumgr.manager.cluster import Cluster
-from gpumgr.manager.records import PlacementSpec
+from gpumgr.manager.model.cluster import Cluster
+from gpumgr.manager.model.records import PlacementSpec
 from gpumgr.wire.names import State
 from gpumgr.wire.protocol import GpuInfo
 from tests.images import IMAGE

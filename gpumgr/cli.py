@@ -193,7 +193,7 @@ def run_agent_command(args: argparse.Namespace) -> int:
 
 def run_guard_command(args: argparse.Namespace) -> int:
     """``gpumgr guard``: serve the authorization plugin until SIGTERM or SIGINT."""
-    from gpumgr.agent.guard_server import GuardServer, build_guard
+    from gpumgr.agent.guard.guard_server import GuardServer, build_guard
 
     settings = load_settings(AgentSettings, _existing(args.agent_config), guard_socket=args.guard_socket,
                              guard_control=args.guard_control, guard_state=args.guard_state,
@@ -235,9 +235,9 @@ def run_up_command(args: argparse.Namespace) -> int:
 
 def run_join_token_command(args: argparse.Namespace) -> int:
     """``gpumgr join-token``: works from the state directory whether or not the manager runs."""
-    from gpumgr.manager.admission import Admission
-    from gpumgr.manager.ha import read_only_store, rotating_store
-    from gpumgr.manager.store_record import join_store
+    from gpumgr.manager.control.ha import read_only_store, rotating_store
+    from gpumgr.manager.control.store_record import join_store
+    from gpumgr.manager.link.admission import Admission
 
     opener = rotating_store if args.rotate else read_only_store
     folder = args.state_dir or ManagerSettings().state_dir
@@ -259,7 +259,7 @@ def run_store_status_command(args: argparse.Namespace) -> int:
     """``gpumgr store status``: what the etcd store holds, read without leading or writing anything."""
     import json
 
-    from gpumgr.manager.ha import describe
+    from gpumgr.manager.control.ha import describe
 
     if not args.store:
         raise ValueError("gpumgr store status needs --store etcd://HOST:PORT[,...][/PREFIX]")
@@ -285,7 +285,7 @@ def start_manager(settings: ManagerSettings) -> tuple[Any, Any]:
     """Start the manager's link and build (not run) its WSGI server; refuses an open API without a token."""
     from waitress import create_server  # type: ignore[attr-defined]  # the stubs miss this public function
 
-    from gpumgr.manager.app import create_app
+    from gpumgr.manager.api.app import create_app
     from gpumgr.manager.service import Manager
 
     host, port = split_hostport(settings.api, defaults.API_PORT)
@@ -381,8 +381,8 @@ def build_agent(settings: AgentSettings) -> Any:
     """Open the GPU source and the runtime and wire them into an agent."""
     from gpumgr.agent import procmap
     from gpumgr.agent.agent import Agent, build_runtime
-    from gpumgr.agent.gpus import open_source
-    from gpumgr.agent.hook_limits import HookLimits
+    from gpumgr.agent.gpus.select import open_source
+    from gpumgr.agent.hook.hook_limits import HookLimits
     from gpumgr.agent.identity import load_identity
 
     procmap.set_root(settings.proc_root)

@@ -49,7 +49,7 @@ class ManagerSettings(Settings):
     @classmethod
     def _store_url(cls, value: str | None) -> str | None:
         if value:
-            from gpumgr.manager.ha import parse_store_url
+            from gpumgr.manager.control.ha import parse_store_url
 
             parse_store_url(value)
         return value or None

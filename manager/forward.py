@@ -25,8 +25,8 @@ import requests
 from flask import Response, request, stream_with_context
 
 from gpumgr import __version__
-from gpumgr.manager.ha import Solo
-from gpumgr.manager.leadership import LEASE_TTL
+from gpumgr.manager.control.ha import Solo
+from gpumgr.manager.control.leadership import LEASE_TTL
 from gpumgr.manager.leading import NoLeader, NoQuorum
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import OutcomeUnknown

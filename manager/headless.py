@@ -12,7 +12,7 @@ know the key yet (never the node the message claims). It writes them to etcd as
 :data:`~gpumgr.wire.defaults.ASKS_KEPT` asks of the last two ``headless_after``; none left deletes the key.
 
 *The leader's rule* (:func:`judge`, :class:`Rule`), checked every sweep before the zone rule of
-:mod:`gpumgr.manager.reconcile`. Its *bound* nodes are those on its map that were ready at some
+:mod:`gpumgr.manager.model.reconcile`. Its *bound* nodes are those on its map that were ready at some
 point in the last two ``headless_after`` (heard from within that plus the down timeout), and, for
 that long after its election, the nodes bound in the store, as if heard from at the election. It
 *hears from* a node last heard from within the down timeout. When it hears from fewer than half of
@@ -34,8 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpumgr.manager.ha import Replicated
-from gpumgr.manager.store_etcd import EtcdStore
+from gpumgr.manager.control.ha import Replicated
+from gpumgr.manager.control.store_etcd import EtcdStore
 from gpumgr.wire import defaults
 from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.errors import GpumgrError

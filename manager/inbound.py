@@ -13,11 +13,11 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from gpumgr.manager.hook_policy import hook_tenant  # issue 22
-from gpumgr.manager.records import Container, PlacementSpec
+from gpumgr.manager.model.records import Container, PlacementSpec
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.errors import GpumgrError, NotFound, OutcomeUnknown
-from gpumgr.wire.link import Peer
+from gpumgr.wire.link.link import Peer
 from gpumgr.wire.names import LIVE, EventType, State
 
 if TYPE_CHECKING:

@@ -2,23 +2,23 @@
 
 *Elected.* The new leader reads what its predecessor left in the store: node bindings, the queue
 (in its order, with its waits), the intents (DELETEs answered 202 and preemptions not carried out
-yet, :mod:`~gpumgr.manager.intents`) and a fresh block of event ids. The grant map is not there: it is
+yet, :mod:`~gpumgr.manager.model.intents`) and a fresh block of event ids. The grant map is not there: it is
 rebuilt from the agents' registrations, as after a restart. So the leader waits a bounded grace
 (:data:`GRACE`) for the nodes it knows (those bound in the store) to register before it runs the queue
 or places a REST request: placing before then could put a request on the one node back first while
 the queue's head waits for another, or answer "no room" while the room is on a node still moving over.
 The grace ends early once every known node is back.
 
-*Lost.* Leadership ends the moment the lease cannot have been renewed (:mod:`~gpumgr.manager.leadership`):
+*Lost.* Leadership ends the moment the lease cannot have been renewed (:mod:`~gpumgr.manager.control.leadership`):
 from then on :meth:`~gpumgr.manager.service.Manager.send` sends nothing, the REST API forwards or holds,
-and here the whole map is dropped (:meth:`~gpumgr.manager.cluster.Cluster.reset`): records, desired
+and here the whole map is dropped (:meth:`~gpumgr.manager.model.cluster.Cluster.reset`): records, desired
 states, operations, grants, nodes (their agents must register again, with whichever manager leads) and
 queue changes not yet written (the new leader owns the queue). Every REST call waiting on an agent's
 reply is answered ``502 outcome_unknown`` and every runtime hook waiting in the queue is refused. A
 manager that leads again later (M1 → M2 → M1 is ordinary) starts from the store and the nodes, never
 from what it held before. Containers are untouched: agents enforce on their own.
 
-A single manager (:class:`~gpumgr.manager.ha.Solo`) leads from the start with no grace.
+A single manager (:class:`~gpumgr.manager.control.ha.Solo`) leads from the start with no grace.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from gpumgr.manager.ha import Replicated
-from gpumgr.manager.store_etcd import EtcdQueueJournal
+from gpumgr.manager.control.ha import Replicated
+from gpumgr.manager.control.store_etcd import EtcdQueueJournal
 from gpumgr.wire import defaults
 from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.errors import GpumgrError

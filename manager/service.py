@@ -1,6 +1,6 @@
 """The manager's use cases: place a container, remove or resize it, and tell the nodes what the model decided.
 
-Every change is decided under the model's lock (:class:`~gpumgr.manager.cluster.Cluster`), which
+Every change is decided under the model's lock (:class:`~gpumgr.manager.model.cluster.Cluster`), which
 returns the commands its nodes must be told; :meth:`Manager.send` sends them without blocking and
 hands each reply (or its absence) back to the model, which may answer with follow-up commands. A
 REST call that needs the outcome waits on its operation's ``done`` event, never on a socket.
@@ -16,21 +16,21 @@ from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
-from gpumgr.manager.admission import Admission
+from gpumgr.manager.api.metrics import Metrics
 from gpumgr.manager.clock import SYSTEM, Clock
-from gpumgr.manager.cluster import Cluster
 from gpumgr.manager.config import ManagerSettings
+from gpumgr.manager.control.ha import DEPOSED, Replicated, Solo, control_plane
+from gpumgr.manager.control.store_etcd import EtcdQueueJournal, EtcdStore
 from gpumgr.manager.events import EventLog
 from gpumgr.manager.forward import DigestWatch
-from gpumgr.manager.ha import DEPOSED, Replicated, Solo, control_plane
 from gpumgr.manager.headless import Headless
 from gpumgr.manager.inbound import Inbound
 from gpumgr.manager.leading import Leading, NotLeader
-from gpumgr.manager.link import ManagerLink
-from gpumgr.manager.metrics import Metrics
+from gpumgr.manager.link.admission import Admission
+from gpumgr.manager.link.link import ManagerLink
+from gpumgr.manager.model.cluster import Cluster
+from gpumgr.manager.model.records import Command, OpKind, PlacementSpec
 from gpumgr.manager.policy import run_fields
-from gpumgr.manager.records import Command, OpKind, PlacementSpec
-from gpumgr.manager.store_etcd import EtcdQueueJournal, EtcdStore
 from gpumgr.manager.tenants import OPERATOR, Principal, Tenant, TenantBook, build_tenants
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.errors import (
@@ -44,7 +44,7 @@ from gpumgr.wire.errors import (
     OutcomeUnknown,
     StoreUnavailable,
 )
-from gpumgr.wire.lanes import Lanes
+from gpumgr.wire.link.lanes import Lanes
 from gpumgr.wire.names import LIVE, State
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpumgr.plugin import guard_install, install
+from gpumgr.plugin.install import guard_install, install
 
 
 def add_plugin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

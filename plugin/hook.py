@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from gpumgr.wire import defaults
-from gpumgr.wire.bundle import gpu_in_spec, held_refusal, pin_bundle, read_bundle, runc_log_line
+from gpumgr.wire.engine.bundle import gpu_in_spec, held_refusal, pin_bundle, read_bundle, runc_log_line
 from gpumgr.wire.names import Env, Label, flag_set
 from gpumgr.wire.units import parse_bytes
 

@@ -1,6 +1,6 @@
 """The launchers ``gpumgr plugin install`` writes: two ``sh`` scripts, and the Python they may run.
 
-Kept apart from :mod:`gpumgr.plugin.install` (what install and uninstall change on a host): this
+Kept apart from :mod:`gpumgr.plugin.install.install` (what install and uninstall change on a host): this
 builds the scripts, and the code a launcher's Python runs, from where the installed packages are
 imported now.
 """
@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from gpumgr.plugin.hook import GPU_SPEC_PATTERN, REQUEST_MEMORY
-from gpumgr.wire import defaults, hookpipe
+from gpumgr.wire import defaults
+from gpumgr.wire.engine import hookpipe
 from gpumgr.wire.names import Env
 
 PACKAGE = "gpumgr"
@@ -115,7 +116,7 @@ exec {python} -I -S -c {code} "$@"
 """
 #: The runtime hook is called for every runtime operation of every container on the node (state,
 #: start, kill, delete, ...). Only the ``create`` of a container whose bundle asks for GPU memory (or
-#: carries a GPU) goes to gpumgr: first to the agent's pipe, from ``sh`` (:mod:`gpumgr.agent.hookfifo`
+#: carries a GPU) goes to gpumgr: first to the agent's pipe, from ``sh`` (:mod:`gpumgr.agent.hook.hookfifo`
 #: says how); to the Python hook when there is no live agent behind the pipe or it says ``python``.
 #: Everything else goes straight to the plain runtime.
 HOOK_LAUNCHER = """#!/bin/sh

@@ -4,7 +4,7 @@
 ``--constraint``; ``gpu.*`` ones travel in the task's environment (``GPUMGR_REQUEST_CONSTRAINTS``), for
 the hook to ask the manager with on the node Swarm picks. Exact ``gpu.model``, ``gpu.memory`` and
 ``gpu.compute_capability`` equalities also become Swarm constraints on the labels agents give their
-Swarm nodes (:mod:`gpumgr.agent.swarm_labels`), so Swarm sends such tasks only where they can run.
+Swarm nodes (:mod:`gpumgr.agent.runtimes.swarm_labels`), so Swarm sends such tasks only where they can run.
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpumgr.manager.etcdv3 import EtcdClient, EtcdError, parse_endpoints
-from gpumgr.manager.leadership import Leadership
-from gpumgr.manager.store import Fenced
-from gpumgr.manager.store_etcd import DEFAULT_PREFIX, EtcdStore
+from gpumgr.manager.control.etcdv3 import EtcdClient, EtcdError, parse_endpoints
+from gpumgr.manager.control.leadership import Leadership
+from gpumgr.manager.control.store import Fenced
+from gpumgr.manager.control.store_etcd import DEFAULT_PREFIX, EtcdStore
 from gpumgr.wire.epoch import Epoch
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumgr.manager.etcdv3 import EtcdClient, EtcdError
+from gpumgr.manager.control.etcdv3 import EtcdClient, EtcdError
 from tests.procs import free_port, wait_for
 
 START_TIMEOUT = 20.0

@@ -154,7 +154,7 @@ class FakeAgent:
 def scripted_stack(tmp: Path, **settings: Any) -> Iterator[tuple[Any, Any, Callable[..., FakeAgent]]]:
     """An in-process manager on a real link (``settings`` over its defaults), its REST test client, and a
     function that adds a registered scripted agent serving in the background; all stopped on exit."""
-    from gpumgr.manager.app import create_app
+    from gpumgr.manager.api.app import create_app
     from gpumgr.manager.config import ManagerSettings
     from gpumgr.manager.service import Manager
 

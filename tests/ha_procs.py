@@ -15,8 +15,8 @@ from typing import Any
 
 import requests
 
-from gpumgr.manager.admission import KEY_FILE, Admission
-from gpumgr.manager.ha import read_only_store
+from gpumgr.manager.control.ha import read_only_store
+from gpumgr.manager.link.admission import KEY_FILE, Admission
 from gpumgr.wire import security
 from tests.procs import AgentProc, ManagerProc, wait_for
 

@@ -168,7 +168,7 @@ def model_violations(manager: Any, engines: dict[str, dict[str, tuple[str, int]]
     """The same invariant over an in-process manager's model (no REST, no engine calls), for generated tests.
 
     ``manager`` is a :class:`gpumgr.manager.service.Manager`; its model's own check
-    (:meth:`gpumgr.manager.cluster.Cluster.check`: grants add up and fit, every live grant is held,
+    (:meth:`gpumgr.manager.model.cluster.Cluster.check`: grants add up and fit, every live grant is held,
     ended records hold nothing and have their reason and time, tenants' counts add up) comes first.
     ``engines`` is each node's engine truth, ``{node: {grant: (state, enforced bytes)}}``: a container
     alive on a node on the map must hold a live grant of at least the bytes its agent enforces.

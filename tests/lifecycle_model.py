@@ -23,7 +23,7 @@ from typing import Any
 from gpumgr.manager.clock import Clock
 from gpumgr.wire import protocol, security
 from gpumgr.wire.errors import AgentFailed, AgentTimeout, NoAgents
-from gpumgr.wire.link import Peer
+from gpumgr.wire.link.link import Peer
 from gpumgr.wire.names import LIVE
 from tests.invariant import model_violations
 

@@ -120,7 +120,7 @@ class ManagerProc(Proc):
 
     def token(self) -> str:
         """The join token, as ``gpumgr join-token`` prints it (read from the same state directory)."""
-        from gpumgr.manager.admission import Admission
+        from gpumgr.manager.link.admission import Admission
 
         return Admission(self.state_dir).token()
 

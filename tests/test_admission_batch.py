@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from gpumgr.manager.admission import Admission, JoinRefused
-from gpumgr.manager.store import NODES_FILE
+from gpumgr.manager.control.store import NODES_FILE
+from gpumgr.manager.link.admission import Admission, JoinRefused
 from gpumgr.wire import security
 from gpumgr.wire.errors import GpumgrError
 
@@ -30,7 +30,7 @@ def join(admission: Admission, keys: security.KeyPair, node: str, outcomes: dict
 def test_a_herd_is_written_in_batches_and_each_join_is_answered_once_on_disk(tmp_path, caplog) -> None:
     admission, outcomes, done, n = Admission(tmp_path), {}, threading.Event(), 300
     keys = {f"n{i:03d}": security.KeyPair.generate() for i in range(n)}
-    with caplog.at_level(logging.INFO, logger="gpumgr.manager.admission"):
+    with caplog.at_level(logging.INFO, logger="gpumgr.manager.link.admission"):
         for node, pair in keys.items():
             join(admission, pair, node, outcomes, done, n)
         assert done.wait(30)

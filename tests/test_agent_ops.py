@@ -18,9 +18,9 @@ import pytest
 import zmq
 
 from gpumgr.agent.agent import Agent
-from gpumgr.agent.gpus import open_source
+from gpumgr.agent.gpus.select import open_source
 from gpumgr.agent.identity import Identity
-from gpumgr.agent.process_runtime import ProcessRuntime
+from gpumgr.agent.runtimes.process_runtime import ProcessRuntime
 from gpumgr.wire import protocol, security
 from gpumgr.wire.epoch import Epoch
 from tests.procs import wait_for

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from gpumgr.manager.app import create_app
+from gpumgr.manager.api.app import create_app
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.service import Manager
 from gpumgr.wire.protocol import ContainerReport, Reregister

@@ -15,7 +15,7 @@ import time
 import pytest
 import requests
 
-from gpumgr.manager.app import create_app
+from gpumgr.manager.api.app import create_app
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.service import Manager
 from gpumgr.wire import defaults, protocol

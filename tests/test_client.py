@@ -254,7 +254,7 @@ def test_each_typed_record_has_every_field_of_its_response_shape(record, shape):
     import dataclasses
 
     from gpumgr import client_types
-    from gpumgr.manager import openapi
+    from gpumgr.manager.api import openapi
 
     fields = {f.name for f in dataclasses.fields(getattr(client_types, record))} - {"raw", "_collection"}
     assert fields == set(getattr(openapi, shape).model_fields)

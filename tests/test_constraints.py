@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpumgr.manager.cluster import Cluster, PlacementSpec
-from gpumgr.manager.records import Gpu
-from gpumgr.manager.scheduler import ACROSS, LINKS, FreeIndex, GpuSlot, Placement, Request, link_of, place
-from gpumgr.manager.topology import assign_groups
+from gpumgr.manager.model.cluster import Cluster, PlacementSpec
+from gpumgr.manager.model.records import Gpu
+from gpumgr.manager.placing.scheduler import ACROSS, LINKS, FreeIndex, GpuSlot, Placement, Request, link_of, place
+from gpumgr.manager.placing.topology import assign_groups
 from gpumgr.wire.constraints import parse, parse_all
 from gpumgr.wire.errors import NoFit
 from gpumgr.wire.names import EventType

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from gpumgr.manager.cluster import Cluster, PlacementSpec
 from gpumgr.manager.config import ManagerSettings
+from gpumgr.manager.model.cluster import Cluster, PlacementSpec
 from gpumgr.wire import defaults
 from gpumgr.wire.names import EventType, State
 from gpumgr.wire.protocol import GpuInfo

@@ -13,7 +13,7 @@ from typing import Any
 import pydantic
 import pytest
 
-from gpumgr.agent.docker_run import create_options
+from gpumgr.agent.runtimes.docker_run import create_options
 from gpumgr.plugin.run_flags import build_request, parser
 from gpumgr.wire.protocol import ContainerSpec
 from gpumgr.wire.runspec import RunSpec

@@ -148,7 +148,8 @@ def test_process_runtime_is_enforced_the_same_way(tmp_path, manager):
 @pytest.mark.gpu
 def test_real_cuda_process_past_its_grant_is_killed(tmp_path, manager):
     """On a real NVIDIA GPU: PyTorch allocates past its grant under the process runtime and NVML."""
-    from gpumgr.agent.gpus import NvmlUnavailable, open_source
+    from gpumgr.agent.gpus.select import open_source
+    from gpumgr.agent.gpus.source import NvmlUnavailable
 
     try:
         open_source("nvml", "probe").close()

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from gpumgr.agent.enforcer import Enforcer, EnforcerSettings, Verdict
-from gpumgr.agent.process_runtime import ProcessRuntime
+from gpumgr.agent.gpus.simgpu import SimSource, parse_sim_spec
 from gpumgr.agent.procmap import start_time_of
-from gpumgr.agent.simgpu import SimSource, parse_sim_spec
+from gpumgr.agent.runtimes.process_runtime import ProcessRuntime
 from gpumgr.wire.protocol import ContainerSpec
 from tests.procs import wait_for
 
@@ -114,7 +114,7 @@ def test_growth_past_the_tightest_room_triggers_a_full_sample(setup):
 
 @pytest.mark.docker
 def test_cgroup_lookups_are_remembered_per_process_identity(docker_client, test_image, tmp_path):
-    from gpumgr.agent.docker_runtime import DockerRuntime
+    from gpumgr.agent.runtimes.docker_runtime import DockerRuntime
     from tests.procs import TEST_NODES
 
     node = f"unit-cgroup-{tmp_path.name}"[:60]
@@ -141,8 +141,8 @@ def test_cgroup_lookups_are_remembered_per_process_identity(docker_client, test_
 @pytest.mark.docker
 def test_a_missed_start_event_is_caught_by_the_resync(docker_client, test_image, tmp_path):
     """Defect 9: a task whose start event was lost stayed ``creating`` for good (never enforced, never resizable)."""
-    from gpumgr.agent.docker_runtime import DockerRuntime
-    from gpumgr.agent.runtime import Managed
+    from gpumgr.agent.runtimes.docker_runtime import DockerRuntime
+    from gpumgr.agent.runtimes.runtime import Managed
     from gpumgr.wire.names import State
     from tests.procs import TEST_NODES
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from gpumgr.manager import events as events_module
-from gpumgr.manager.cluster import Cluster
+from gpumgr.manager.control.store_etcd import EtcdStore
 from gpumgr.manager.event_ids import IdFile
 from gpumgr.manager.events import EventLog
-from gpumgr.manager.store_etcd import EtcdStore
+from gpumgr.manager.model.cluster import Cluster
 from gpumgr.wire import protocol
 from gpumgr.wire.names import EventType
 from tests.etcd import EtcdCluster

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from gpumgr.manager.etcdv3 import StoreUnavailable
-from gpumgr.manager.records import PlacementSpec
+from gpumgr.manager.control.etcdv3 import StoreUnavailable
+from gpumgr.manager.model.records import PlacementSpec
 from gpumgr.manager.service import Manager
 from gpumgr.wire import protocol
 from gpumgr.wire.errors import GpumgrError

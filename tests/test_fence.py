@@ -14,13 +14,13 @@ import pytest
 
 from gpumgr.agent.fence import Fence, FenceUnwritable, StaleEpoch
 from gpumgr.agent.managers import ManagerSet, parse_managers
-from gpumgr.manager.admission import Admission
-from gpumgr.manager.ha import DEPOSED
-from gpumgr.manager.link import ManagerLink
+from gpumgr.manager.control.ha import DEPOSED
+from gpumgr.manager.link.admission import Admission
+from gpumgr.manager.link.link import ManagerLink
 from gpumgr.wire import envelope, protocol
 from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.errors import ProtocolError
-from gpumgr.wire.link import Peer
+from gpumgr.wire.link.link import Peer
 from tests.procs import AgentProc, ManagerProc, Proc, free_port, wait_for
 from tests.test_agent_ops import AgentRig, ScriptedManager
 
@@ -232,7 +232,7 @@ def test_a_reply_from_a_deposed_leader_fails_the_request_at_once(tmp_path) -> No
     import zmq
 
     from gpumgr.wire import security
-    from gpumgr.wire.link import Link, LinkHooks
+    from gpumgr.wire.link.link import Link, LinkHooks
 
     keys = security.KeyPair.generate()
     epoch: list[Epoch] = [OLD]

@@ -18,10 +18,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpumgr.agent import gpus, nvml, procmap, simgpu
-from gpumgr.agent.gpus import Device, GpuProcess, NvmlUnavailable
-from gpumgr.agent.nvml import NvmlSource
-from gpumgr.agent.simgpu import SimSource
+from gpumgr.agent import procmap
+from gpumgr.agent.gpus import nvml, simgpu
+from gpumgr.agent.gpus import select as gpus
+from gpumgr.agent.gpus.nvml import NvmlSource
+from gpumgr.agent.gpus.simgpu import SimSource
+from gpumgr.agent.gpus.source import Device, GpuProcess, GpuSourceError, NvmlUnavailable
 from gpumgr.wire import defaults
 from tests.procs import wait_for
 
@@ -541,7 +543,7 @@ def test_nvml_failures() -> None:
     fake = FakeNvml()
     source = NvmlSource(fake)
     fake.lost = True
-    with pytest.raises(gpus.GpuSourceError, match="GPU-real-0"):
+    with pytest.raises(GpuSourceError, match="GPU-real-0"):
         source.memory_used("GPU-real-0")
 
 

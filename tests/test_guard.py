@@ -189,7 +189,7 @@ def test_a_start_with_a_legacy_host_config_is_judged(engine):
 
 
 def test_a_ticket_lets_one_create_through_and_the_container_starts_once(engine, guard):
-    from gpumgr.agent.guard_client import ticket_labels
+    from gpumgr.agent.guard.guard_client import ticket_labels
 
     labels = ticket_labels(guard.control)
     assert labels, "the guard took no ticket"

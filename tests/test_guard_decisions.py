@@ -9,9 +9,9 @@ import socket
 
 import pytest
 
-from gpumgr.agent.guard import TICKET_LABEL, Guard, GuardState
-from gpumgr.agent.guard_server import GuardServer
-from gpumgr.wire import gpudev
+from gpumgr.agent.guard.guard import TICKET_LABEL, Guard, GuardState
+from gpumgr.agent.guard.guard_server import GuardServer
+from gpumgr.wire.engine import gpudev
 
 IMAGE_ID = "sha256:" + "ab" * 32
 #: an engine whose default runtime is runc, as the guard learns it from dockerd's files

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gpumgr.wire import gojson, gpudev
+from gpumgr.wire.engine import gojson, gpudev
 
 POLICY = gpudev.Policy(default=gpudev.DefaultRuntime(frozenset({"runc"}), None))
 

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from gpumgr.agent.engine_watch import EngineWatch
-from gpumgr.agent.guard import Guard, GuardState
-from gpumgr.wire import engine_runtime, gpudev
+from gpumgr.agent.guard.engine_watch import EngineWatch
+from gpumgr.agent.guard.guard import Guard, GuardState
+from gpumgr.wire.engine import engine_runtime, gpudev
 from tests.guard_dockerd import GuardEngine
 from tests.guardproc import GuardProc
 from tests.images import IMAGE, busybox_tar

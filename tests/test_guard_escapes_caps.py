@@ -22,10 +22,10 @@ import docker
 import pytest
 import yaml
 
-from gpumgr.agent.guard import Guard, GuardState
-from gpumgr.agent.guard_client import ticket_labels
+from gpumgr.agent.guard.guard import Guard, GuardState
+from gpumgr.agent.guard.guard_client import ticket_labels
 from gpumgr.plugin.hook import Refused, ask_agent
-from gpumgr.wire import gpudev
+from gpumgr.wire.engine import gpudev
 from tests import test_guard
 from tests.guardproc import GuardProc
 from tests.images import IMAGE, busybox_tar

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpumgr.agent.guard import Guard, GuardState
-from gpumgr.wire import gpudev
+from gpumgr.agent.guard.guard import Guard, GuardState
+from gpumgr.wire.engine import gpudev
 from tests.guard_dockerd import GuardEngine
 from tests.images import IMAGE, busybox_tar
 

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from gpumgr.manager.admission import Admission
 from gpumgr.manager.config import ManagerSettings
-from gpumgr.manager.ha import Replicated, Solo, control_plane, parse_store_url
-from gpumgr.manager.store import Fenced, FileStore
+from gpumgr.manager.control.ha import Replicated, Solo, control_plane, parse_store_url
+from gpumgr.manager.control.store import Fenced, FileStore
+from gpumgr.manager.link.admission import Admission
 from gpumgr.wire import security
 from gpumgr.wire.epoch import Epoch
 from tests.procs import ROOT, wait_for

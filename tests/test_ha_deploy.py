@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from gpumgr.agent.managers import parse_managers
-from gpumgr.manager.ha import parse_store_url
+from gpumgr.manager.control.ha import parse_store_url
 from tests.procs import ROOT
 
 STACK = ROOT / "examples" / "swarm" / "stack-ha.yml"

@@ -15,10 +15,10 @@ import pytest
 
 from gpumgr import __version__
 from gpumgr.manager.config import ManagerSettings
+from gpumgr.manager.control.store_etcd import EtcdQueueJournal
 from gpumgr.manager.inbound import MIN_AGENT_VERSION
-from gpumgr.manager.records import PlacementSpec
+from gpumgr.manager.model.records import PlacementSpec
 from gpumgr.manager.service import Manager
-from gpumgr.manager.store_etcd import EtcdQueueJournal
 from gpumgr.wire import protocol
 from gpumgr.wire.errors import GpumgrError
 from tests.fake_agent import FakeAgent, GiB
@@ -147,9 +147,9 @@ def test_an_agent_too_old_for_the_managers_commands_is_told_which_version_it_nee
 
 
 def test_queue_changes_reach_etcd_in_order_in_few_transactions_and_a_fenced_batch_is_dropped(etcd) -> None:
-    from gpumgr.manager.leadership import Leadership
-    from gpumgr.manager.store import Fenced
-    from gpumgr.manager.store_etcd import EtcdStore
+    from gpumgr.manager.control.leadership import Leadership
+    from gpumgr.manager.control.store import Fenced
+    from gpumgr.manager.control.store_etcd import EtcdStore
 
     leadership = Leadership(etcd.client(), "q", prefix="/journal/")
     leadership.start()

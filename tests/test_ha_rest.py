@@ -10,9 +10,9 @@ import pytest
 from werkzeug.serving import make_server
 
 from gpumgr.manager import forward
-from gpumgr.manager.app import create_app
+from gpumgr.manager.api.app import create_app
 from gpumgr.manager.config import ManagerSettings
-from gpumgr.manager.leadership import Leadership
+from gpumgr.manager.control.leadership import Leadership
 from gpumgr.manager.service import Manager
 from gpumgr.plugin.docker_gpu import Manager as Client
 from gpumgr.plugin.docker_gpu import PluginError

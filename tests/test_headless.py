@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from gpumgr.manager.admission import Admission
 from gpumgr.manager.config import ManagerSettings
-from gpumgr.manager.ha import read_only_store
+from gpumgr.manager.control.ha import read_only_store
+from gpumgr.manager.control.leadership import LEASE_TTL, Leadership
+from gpumgr.manager.control.store_etcd import EtcdStore
 from gpumgr.manager.headless import KEY_MARK, Asks, Rule, Verdict, judge
-from gpumgr.manager.leadership import LEASE_TTL, Leadership
+from gpumgr.manager.link.admission import Admission
 from gpumgr.manager.service import Manager
-from gpumgr.manager.store_etcd import EtcdStore
 from gpumgr.wire import defaults, protocol
 from tests.chaos.proxy import ChaosProxy
 from tests.fake_agent import FakeAgent

@@ -126,7 +126,7 @@ def test_the_hook_socket_is_for_root_only(tmp_path):
     import os
     import stat
 
-    from gpumgr.agent.hooklink import HookListener
+    from gpumgr.agent.hook.hooklink import HookListener
 
     path = tmp_path / "run" / "agent.sock"
     listener = HookListener(str(path), 1.0)

@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from gpumgr.agent.hookfifo import HookFifo
+from gpumgr.agent.hook.hookfifo import HookFifo
 from gpumgr.cli import main
-from gpumgr.wire import hookpipe
+from gpumgr.wire.engine import hookpipe
 from gpumgr.wire.names import Env, Label
 
 
@@ -270,8 +270,8 @@ def test_without_a_live_agent_behind_the_pipe_the_launcher_uses_the_socket_path(
 
 def test_the_pid_file_names_the_agent_as_the_host_sees_it(root, monkeypatch):
     """In a container the agent reads the host's /proc (``proc_root``): its own getpid() means another process there."""
-    from gpumgr.agent import hookfifo, procmap
-
+    from gpumgr.agent import procmap
+    from gpumgr.agent.hook import hookfifo
     assert hookfifo.host_pid() == os.getpid()
     host_proc = root / "host-proc"
     host_proc.mkdir()
@@ -305,8 +305,8 @@ def test_a_request_that_fails_inside_the_agent_is_still_answered(root, capsys):
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from gpumgr.agent.hooklink import HookListener
-    from gpumgr.agent.hookrelay import HookRelay
+    from gpumgr.agent.hook.hooklink import HookListener
+    from gpumgr.agent.hook.hookrelay import HookRelay
 
     socket_path = str(root / "run" / "agent.sock")
     registered = threading.Event()

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from gpumgr.manager.app import create_app
+from gpumgr.manager.api.app import create_app
+from gpumgr.manager.api.idempotent import PURGE_EVERY, SETTLE
 from gpumgr.manager.clock import Clock
 from gpumgr.manager.config import ManagerSettings
-from gpumgr.manager.idempotency import FOLDER, TTL
-from gpumgr.manager.idempotent import PURGE_EVERY, SETTLE
+from gpumgr.manager.control.idempotency import FOLDER, TTL
 from gpumgr.manager.service import Manager
 from gpumgr.wire import protocol
 from tests.fake_agent import FakeAgent, scripted_stack

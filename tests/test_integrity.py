@@ -19,9 +19,9 @@ import pytest
 from gpumgr.agent import procmap
 from gpumgr.agent.agent import build_runtime
 from gpumgr.agent.enforcer import REASON_EXCEEDED, Enforcer, EnforcerSettings
-from gpumgr.agent.process_runtime import ProcessRuntime
-from gpumgr.agent.simgpu import SimSource, parse_sim_spec
-from gpumgr.manager.cluster import Cluster, PlacementSpec
+from gpumgr.agent.gpus.simgpu import SimSource, parse_sim_spec
+from gpumgr.agent.runtimes.process_runtime import ProcessRuntime
+from gpumgr.manager.model.cluster import Cluster, PlacementSpec
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.errors import NotFound, ProtocolError, RuntimeFailure
 from gpumgr.wire.names import State
@@ -475,7 +475,7 @@ def test_a_create_for_an_agent_that_died_fails_at_once_and_frees_the_grant(tmp_p
 def test_an_agent_re_reports_only_the_newest_ends_so_the_cap_holds() -> None:
     """Issue item 11: an agent with many exited containers registers only the newest ends, and every live one."""
     from gpumgr.agent.agent import _newest_ends
-    from gpumgr.agent.runtime import Managed
+    from gpumgr.agent.runtimes.runtime import Managed
 
     live = [Managed(grant=f"live{i}", container_id=f"c{i}", name="n", gpus=["g"], gpu_memory=1) for i in range(3)]
     ended = [Managed(grant=f"end{i}", container_id=f"e{i}", name="n", gpus=["g"], gpu_memory=1, state="exited",

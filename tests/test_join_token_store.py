@@ -11,9 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpumgr.manager.admission import KEY_FILE, Admission
-from gpumgr.manager.ha import control_plane
-from gpumgr.manager.store_record import STORE_FILE, StoreRecord, recorded, remember
+from gpumgr.manager.control.ha import control_plane
+from gpumgr.manager.control.store_record import STORE_FILE, StoreRecord, recorded, remember
+from gpumgr.manager.link.admission import KEY_FILE, Admission
 from tests.ha_procs import HaManagers
 from tests.procs import ROOT, AgentProc
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from gpumgr.manager.etcdv3 import EtcdClient, StoreUnavailable
-from gpumgr.manager.leadership import LEASE_TTL
+from gpumgr.manager.control.etcdv3 import EtcdClient, StoreUnavailable
+from gpumgr.manager.control.leadership import LEASE_TTL
 from gpumgr.wire.epoch import Epoch
 from tests.campaigner import CampaignerProc as Campaigner
 from tests.procs import wait_for

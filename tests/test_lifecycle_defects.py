@@ -12,8 +12,8 @@ import pytest
 
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.events import EventLog
-from gpumgr.manager.lifecycle import placed_text
-from gpumgr.manager.records import Command, Op, OpKind, PlacementSpec
+from gpumgr.manager.model.lifecycle import placed_text
+from gpumgr.manager.model.records import Command, Op, OpKind, PlacementSpec
 from gpumgr.manager.service import Manager
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.errors import GpumgrError
@@ -332,9 +332,9 @@ def test_8_a_reply_over_a_reconnected_socket_resolves_the_request_on_the_real_li
 
     import zmq
 
-    from gpumgr.manager.link import ManagerLink
+    from gpumgr.manager.link.link import ManagerLink
     from gpumgr.wire import security
-    from gpumgr.wire.link import Peer
+    from gpumgr.wire.link.link import Peer
 
     server, client = security.KeyPair.generate(), security.KeyPair.generate()
     port = free_port()

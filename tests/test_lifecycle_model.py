@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gpumgr.manager.config import ManagerSettings
-from gpumgr.manager.records import PlacementSpec
+from gpumgr.manager.model.records import PlacementSpec
 from gpumgr.manager.service import Manager
 from gpumgr.wire.errors import GpumgrError
 from gpumgr.wire.names import LIVE, State

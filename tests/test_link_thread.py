@@ -15,11 +15,11 @@ from contextlib import contextmanager
 import pytest
 import zmq
 
-from gpumgr.manager.link import ManagerLink
+from gpumgr.manager.link.link import ManagerLink
 from gpumgr.wire import defaults, protocol, security
 from gpumgr.wire.errors import NoAgents
-from gpumgr.wire.lanes import Lanes
-from gpumgr.wire.link import Peer
+from gpumgr.wire.link.lanes import Lanes
+from gpumgr.wire.link.link import Peer
 from tests.procs import wait_for
 
 

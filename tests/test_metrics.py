@@ -124,7 +124,7 @@ def test_the_shipped_grafana_dashboard_and_scrape_job_use_only_metrics_that_exis
     import json
     import re
 
-    from gpumgr.manager.app import create_app
+    from gpumgr.manager.api.app import create_app
     from gpumgr.manager.config import ManagerSettings
     from gpumgr.manager.service import Manager
 

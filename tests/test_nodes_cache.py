@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from gpumgr.manager import nodes_cache
-from gpumgr.manager.app import create_app
+from gpumgr.manager.api import nodes_cache
+from gpumgr.manager.api.app import create_app
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.service import Manager
 from gpumgr.manager.tenants import TenantConfig

@@ -10,7 +10,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from gpumgr.agent.nvml import NvmlSource
+from gpumgr.agent.gpus.nvml import NvmlSource
 from gpumgr.wire import defaults
 from tests.test_gpus import FakeNvml
 

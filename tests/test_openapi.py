@@ -15,9 +15,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, settings
 
-from gpumgr.manager import openapi
-from gpumgr.manager.api import CreateContainer
-from gpumgr.manager.app import create_app
+from gpumgr.manager.api import openapi
+from gpumgr.manager.api.app import create_app
+from gpumgr.manager.api.routes import CreateContainer
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.service import Manager
 from gpumgr.wire import defaults

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from gpumgr.manager.cluster import Cluster, PlacementSpec
-from gpumgr.manager.records import Command, OpKind
+from gpumgr.manager.model.cluster import Cluster, PlacementSpec
+from gpumgr.manager.model.records import Command, OpKind
 from gpumgr.wire import defaults
 from gpumgr.wire.names import EventType, State
 from gpumgr.wire.protocol import ContainerReport, GpuInfo, Reply

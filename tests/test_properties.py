@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from pydantic import BaseModel
 
-from gpumgr.manager.cluster import Cluster, PlacementSpec
-from gpumgr.manager.scheduler import FreeIndex, GpuSlot, Placement, Request, place
+from gpumgr.manager.model.cluster import Cluster, PlacementSpec
+from gpumgr.manager.placing.scheduler import FreeIndex, GpuSlot, Placement, Request, place
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.errors import GpumgrError, NoAgents, NoFit, ProtocolError
 from gpumgr.wire.names import LIVE, State

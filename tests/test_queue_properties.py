@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from gpumgr.manager.cluster import Cluster
-from gpumgr.manager.records import OpKind, PlacementSpec
-from gpumgr.manager.scheduler import Placement, Request, place
+from gpumgr.manager.model.cluster import Cluster
+from gpumgr.manager.model.records import OpKind, PlacementSpec
+from gpumgr.manager.placing.scheduler import Placement, Request, place
 from gpumgr.manager.tenants import Tenant, TenantBook
 from gpumgr.wire.errors import GpumgrError, NoFit, QuotaExceeded
 from gpumgr.wire.names import LIVE, State

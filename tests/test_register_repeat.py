@@ -10,8 +10,8 @@ from __future__ import annotations
 import threading
 import time
 
-from gpumgr.manager.cluster import Cluster
 from gpumgr.manager.config import ManagerSettings
+from gpumgr.manager.model.cluster import Cluster
 from gpumgr.manager.service import Manager
 from gpumgr.wire import protocol
 from gpumgr.wire.protocol import GpuInfo, RefusedAdoption

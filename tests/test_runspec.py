@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from gpumgr.manager.app import create_app
+from gpumgr.manager.api.app import create_app
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.service import Manager
 from gpumgr.manager.tenants import TenantConfig
@@ -179,7 +179,7 @@ def test_the_node_resolves_symlinks_so_a_link_cannot_lead_out_of_an_allowed_pref
 
 
 def test_a_host_process_node_refuses_a_spec_it_cannot_honour(tmp_path) -> None:
-    from gpumgr.agent.process_runtime import ProcessRuntime
+    from gpumgr.agent.runtimes.process_runtime import ProcessRuntime
     from gpumgr.wire.errors import RuntimeFailure
 
     runtime = ProcessRuntime(lambda _: None, log_dir=str(tmp_path))

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sortedcontainers import SortedList
 
-from gpumgr.manager.cluster import Cluster, PlacementSpec
-from gpumgr.manager.free_index import first_at_least
-from gpumgr.manager.scheduler import FreeIndex, GpuSlot, Placement, Request, place
+from gpumgr.manager.model.cluster import Cluster, PlacementSpec
+from gpumgr.manager.placing.free_index import first_at_least
+from gpumgr.manager.placing.scheduler import FreeIndex, GpuSlot, Placement, Request, place
 from gpumgr.wire.errors import NoAgents, NoFit
 from gpumgr.wire.names import State
 from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuSample

@@ -16,7 +16,7 @@ import pytest
 
 from bench.scheduler import build
 from bench.scheduler_floor import flat_pair
-from gpumgr.manager.cluster import PlacementSpec
+from gpumgr.manager.model.cluster import PlacementSpec
 from gpumgr.wire.names import State
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,9 +11,9 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpumgr.manager import free_index
-from gpumgr.manager.cluster import Cluster, PlacementSpec
-from gpumgr.manager.scheduler import FreeIndex, GpuSlot, Placement, Request, place
+from gpumgr.manager.model.cluster import Cluster, PlacementSpec
+from gpumgr.manager.placing import free_index
+from gpumgr.manager.placing.scheduler import FreeIndex, GpuSlot, Placement, Request, place
 from gpumgr.wire.errors import NoFit
 from gpumgr.wire.protocol import GpuInfo
 

@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from gpumgr.manager.admission import Admission
-from gpumgr.manager.leadership import Leadership
-from gpumgr.manager.store import EventIds, Fenced, FileStore, Store
-from gpumgr.manager.store_etcd import EtcdStore
+from gpumgr.manager.control.leadership import Leadership
+from gpumgr.manager.control.store import EventIds, Fenced, FileStore, Store
+from gpumgr.manager.control.store_etcd import EtcdStore
+from gpumgr.manager.link.admission import Admission
 from tests.procs import wait_for
 
 
@@ -177,7 +177,7 @@ def test_deposed_leaders_writes_are_refused_by_etcd(etcd) -> None:
 
 def test_an_unreadable_queue_entry_is_skipped_not_fatal(etcd) -> None:
     """Whoever can write to etcd can break a value; the manager still loads the rest, as from a torn journal."""
-    from gpumgr.manager import etcdv3
+    from gpumgr.manager.control import etcdv3
 
     leadership = leading(etcd)
     try:

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from gpumgr.manager.config import ManagerSettings
-from gpumgr.manager.etcdv3 import EtcdError
-from gpumgr.manager.ha import describe
+from gpumgr.manager.control.etcdv3 import EtcdError
+from gpumgr.manager.control.ha import describe
 from gpumgr.manager.service import Manager
 from tests.etcd import etcd_binary
 from tests.ha_procs import shared_state

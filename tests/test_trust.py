@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from gpumgr.manager.app import create_app
+from gpumgr.manager.api.app import create_app
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.service import Manager
 from gpumgr.wire import protocol, security

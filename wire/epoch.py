@@ -5,7 +5,7 @@ revision of the leader key the manager holds: a later leader of the same store a
 one. ``generation`` is a counter in the store, never a clock: an etcd restored from a snapshot hands
 out revisions again, and one rebuilt from scratch starts both again, so a leader that learns from an
 agent of an epoch above its own raises the generation above it in a transaction and stands again
-(:mod:`gpumgr.manager.leadership`). Every leader after that outranks every leader before, and no
+(:mod:`gpumgr.manager.control.leadership`). Every leader after that outranks every leader before, and no
 leader of the old store is ever accepted again by an agent that has seen the new one.
 
 A single manager without etcd has no epoch (None) and its commands carry none.

@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from gpumgr.manager import etcdv3
-from gpumgr.manager.ha import read_only_store
-from gpumgr.manager.store_etcd import EtcdStore
+from gpumgr.manager.control import etcdv3
+from gpumgr.manager.control.ha import read_only_store
+from gpumgr.manager.control.store_etcd import EtcdStore
 from gpumgr.wire.epoch import Epoch
 from tests.etcd import Member
 from tests.faults.test_failover_truth import NODE, plane  # noqa: F401  (one etcd, two managers, one agent)

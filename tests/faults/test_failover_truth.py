@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import requests
 
-from gpumgr.manager import etcdv3
+from gpumgr.manager.control import etcdv3
 from tests.etcd import EtcdCluster
 from tests.ha_procs import HaManager, HaManagers
 from tests.invariant import settles

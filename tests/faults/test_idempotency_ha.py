@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from gpumgr.manager.etcdv3 import EtcdClient
-from gpumgr.manager.idempotency import EtcdKeys
-from gpumgr.manager.store import Fenced
-from gpumgr.manager.store_etcd import EtcdStore
+from gpumgr.manager.control.etcdv3 import EtcdClient
+from gpumgr.manager.control.idempotency import EtcdKeys
+from gpumgr.manager.control.store import Fenced
+from gpumgr.manager.control.store_etcd import EtcdStore
 from tests.ha_procs import HaManagers
 from tests.procs import AgentProc, wait_for
 

@@ -1,0 +1,124 @@
+"""Tenants' quotas: what each tenant holds and has queued, checked before anything is granted or queued.
+
+Live and queued requests count alike, as Kubernetes counts pending pods against a ResourceQuota;
+:meth:`Quotas.within_live` checks a queued request again at placement, against the quota in force
+then (SIGHUP may have lowered it). Called under the ledger's lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from gpumgr.manager.clock import SYSTEM, Clock
+from gpumgr.manager.model.records import Container
+from gpumgr.manager.tenants import Principal, Tenant, TenantBook, Usage
+from gpumgr.wire.errors import QuotaExceeded
+from gpumgr.wire.names import State
+from gpumgr.wire.units import format_bytes
+
+
+class Quotas:
+    """Each tenant's :class:`Usage`, kept in step by the lifecycle's one transition function."""
+
+    def __init__(self, clock: Clock = SYSTEM) -> None:
+        self.clock = clock
+        #: the tenants in force (set by the manager; None: no tenants)
+        self.book: TenantBook | None = None
+        self._usage: dict[str, Usage] = {}
+
+    def clear(self) -> None:
+        """Forget every tenant's counts (the map starts from nothing; the records that count come back)."""
+        self._usage = {}
+
+    def count(self, record: Container, sign: int) -> None:
+        """``record`` starts (+1) or stops (-1) counting against its tenant, as queued or live by its state."""
+        if record.tenant is None:
+            return
+        use = self._usage.setdefault(record.tenant, Usage())
+        total = record.gpu_memory * record.count
+        use.memory += sign * total
+        use.containers += sign
+        if record.state is State.QUEUED:
+            use.queued += sign
+            use.queued_memory += sign * total
+        else:
+            use.advance(self.clock.time())
+            use.live_memory += sign * total
+
+    def resized(self, record: Container, delta: int) -> None:
+        """``record``'s grant per GPU changes by ``delta`` bytes."""
+        if record.tenant is None:
+            return
+        use = self._usage.setdefault(record.tenant, Usage())
+        use.memory += delta * record.count
+        if record.state is State.QUEUED:
+            use.queued_memory += delta * record.count
+        else:
+            use.advance(self.clock.time())
+            use.live_memory += delta * record.count
+
+    def used(self, record: Container, seconds: float) -> None:
+        """Integrate ``record``'s sampled usage over ``seconds`` into its tenant's GiB·hours used."""
+        if record.tenant is not None:
+            use = self._usage.setdefault(record.tenant, Usage())
+            use.used_byte_seconds += sum(record.usage.values()) * max(0.0, seconds)
+
+    def check(self, tenant: Tenant | None, memory: int, containers: int) -> None:
+        """QuotaExceeded unless ``tenant`` can take ``memory`` more bytes and ``containers`` more containers."""
+        if tenant is None:
+            return
+        use = self._usage.get(tenant.name) or Usage()
+        held, count = use.memory, use.containers
+        if tenant.gpu_memory is not None and held + memory > tenant.gpu_memory:
+            never = " (more than the whole quota: it can never be granted)" if memory > tenant.gpu_memory else ""
+            raise QuotaExceeded(
+                f"tenant {tenant.name}'s gpu_memory quota is {format_bytes(tenant.gpu_memory)} "
+                f"({tenant.gpu_memory} bytes); {format_bytes(held)} is in use or queued and this asks for "
+                f"{format_bytes(memory)} more{never}")
+        if tenant.containers is not None and containers and count + containers > tenant.containers:
+            raise QuotaExceeded(f"tenant {tenant.name}'s containers quota is {tenant.containers}; {count} are "
+                                "live or queued")
+
+    def within_live(self, record: Container) -> bool:
+        """Whether placing queued ``record`` keeps its tenant's live grants within the quota now in force."""
+        if record.tenant is None or self.book is None:
+            return True
+        tenant = self.book.get(record.tenant)
+        if tenant is None:
+            return True
+        use = self._usage.get(tenant.name) or Usage()
+        memory = record.gpu_memory * record.count
+        if tenant.gpu_memory is not None and use.live_memory + memory > tenant.gpu_memory:
+            return False
+        return tenant.containers is None or use.containers - use.queued + 1 <= tenant.containers
+
+    def tenants(self) -> list[str]:
+        """Every tenant that ever counted anything."""
+        return list(self._usage)
+
+    def usage_of(self, tenant: str) -> Usage:
+        """A copy of what ``tenant`` holds now, its integrals brought up to date."""
+        use = self._usage.setdefault(tenant, Usage())
+        use.advance(self.clock.time())
+        return replace(use)
+
+    def view(self, principal: Principal) -> list[dict[str, Any]]:
+        """Each tenant the caller may see: quota, what it holds and has queued, and GiB·hours since start."""
+        gib_hour = float(1 << 30) * 3600
+        views = []
+        for tenant in self.book.all() if self.book is not None else []:
+            if not principal.sees(tenant.name):
+                continue
+            use = self.usage_of(tenant.name)
+            views.append({
+                "name": tenant.name, "quota": tenant.quota_view(),
+                "in_use": {"gpu_memory": use.live_memory, "containers": use.containers - use.queued},
+                "queued": {"gpu_memory": use.queued_memory, "requests": use.queued},
+                "gpu_memory_gib_hours": {"granted": use.granted_byte_seconds / gib_hour,
+                                         "used": use.used_byte_seconds / gib_hour},
+            })
+        return views
+
+
+
