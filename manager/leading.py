@@ -69,6 +69,20 @@ class NoQuorum(GpumgrError):
     retry_after = 5
 
 
+class NotKnownYet(GpumgrError):
+    """Not on the map yet: this manager began leading (or started) a moment ago, and a node that may hold it has
+    not registered again; a 404 now could deny a container that runs. Retry in a moment."""
+
+    code = "not_known_yet"
+    status = 503
+    retry_after = 2
+
+
+#: How long after a term begins a miss is answered 503 ``not_known_yet`` while known nodes have not registered:
+#: an agent finds a new leader within a few heartbeats; a node still silent past this is taken as gone.
+UNHEARD_FOR = 60.0
+
+
 class Leading:
     """Runs ``manager``'s side of its control plane's elections and losses; see the module docstring."""
 
@@ -83,6 +97,10 @@ class Leading:
         #: the epoch whose election has been handled (store loaded): leading starts there, not at the lease
         self._loaded: Epoch | None = None
         self._alone = not isinstance(self.plane, Replicated)
+        #: when this term began (a single manager: its start), for :meth:`unheard`
+        self._term_began = time.monotonic()
+        if self._alone:  # its term is its process: the nodes it knows are those bound in its state directory
+            self._expected = set(manager.admission.nodes())
         self.plane.on_elected(self.elected)
         self.plane.on_lost(self.lost)
 
@@ -116,6 +134,14 @@ class Leading:
         cluster.wake.set()
         return True
 
+    def unheard(self) -> list[str]:
+        """The nodes known when this term began that have not registered since, while the term is young
+        (:data:`UNHEARD_FOR`): a record missing from the map may be on one of them."""
+        if time.monotonic() - self._term_began > UNHEARD_FOR:
+            return []
+        known = self.manager.cluster.ledger.nodes  # the map starts empty each term: a node in it has registered
+        return sorted(n for n in self._expected if n not in known)
+
     def wait(self, timeout: float) -> None:
         """Wait (at most ``timeout`` seconds) for the store to be loaded and the grace after an election to end."""
         deadline = time.monotonic() + timeout
@@ -144,6 +170,7 @@ class Leading:
         manager.events.renew_ids()
         manager.cluster.load_intents(self.plane.store.intents())
         self._expected = set(manager.admission.nodes())
+        self._term_began = time.monotonic()
         self._grace_until = time.monotonic() + self.grace
         if self._expected:
             self._settled.clear()

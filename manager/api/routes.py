@@ -27,13 +27,14 @@ from gpumgr.manager.api.idempotent import Idempotency
 from gpumgr.manager.api.lookup import resolve
 from gpumgr.manager.api.nodes_cache import NodesCache
 from gpumgr.manager.control.idempotency import HEADER, read_key
+from gpumgr.manager.leading import NotKnownYet
 from gpumgr.manager.model.records import Container, PlacementSpec
 from gpumgr.manager.policy import admit
 from gpumgr.manager.service import Manager
 from gpumgr.manager.tenants import OPERATOR, TENANT_NAME, Principal
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.constraints import MAX_CONSTRAINT_CHARS, MAX_CONSTRAINTS, parse_all
-from gpumgr.wire.errors import Forbidden, InvalidRequest, ProtocolError
+from gpumgr.wire.errors import Forbidden, InvalidRequest, NotFound, ProtocolError
 from gpumgr.wire.names import LABEL_PREFIX, RESERVED_ENV, Label, State
 from gpumgr.wire.runspec import RUN_FIELDS, RunSpec
 from gpumgr.wire.units import MAX_BYTES, parse_bytes
@@ -270,8 +271,20 @@ def delete_container(cid: str) -> tuple[Response, int]:
 
 
 def lookup(ref: str) -> Container:
-    """The caller's container that ``ref`` names: an id, a name or a unique id prefix (see ``lookup.resolve``)."""
-    return resolve(manager().cluster, ref, principal())
+    """The caller's container that ``ref`` names: an id, a name or a unique id prefix (see ``lookup.resolve``).
+
+    A miss while nodes known at the term's start have not registered again is 503 ``not_known_yet``, not 404:
+    the container may run on one of them (a failover, or a restart, a moment ago).
+    """
+    try:
+        return resolve(manager().cluster, ref, principal())
+    except NotFound:
+        unheard = manager().leading.unheard()
+        if unheard:
+            raise NotKnownYet(f"no container {ref[:64]!r} on the map yet, but node(s) {', '.join(unheard[:5])} have "
+                              "not registered with this manager since it began leading: it may be there; "
+                              "retry in a moment") from None
+        raise
 
 
 @bp.get("/nodes")

@@ -260,3 +260,28 @@ def test_item2_a_queued_request_found_running_is_adopted_not_placed_again(plane,
     assert client.get(f"/{prefix}/queue/{cid}".encode()) is None, "the stale queue entry stayed"
     assert m2.get(f"/v1/containers/{waiting.json()['id']}").json()["state"] == "queued"
     settles(m2, docker_client, {NODE})
+
+
+def test_a_new_leader_does_not_deny_a_container_its_node_has_not_reported_yet(plane, docker_client,
+                                                                              test_image) -> None:
+    """Found by the HA chaos schedules: right after a failover, before the node registers again, a DELETE of a
+    container that runs was a 404. It is 503 not_known_yet (retry), and once the node is back the DELETE works."""
+    ha, agent = plane["ha"], plane["agent"]
+    m1 = ha.leader()
+    cid = placed(m1, test_image, "2GiB", "early")["id"]
+    pause(agent.popen.pid)
+    try:
+        m1.stop(signal.SIGKILL)
+        m2 = ha.leader(besides=m1)
+        answer = m2.delete(f"/v1/containers/{cid}")
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "not_known_yet", answer.text
+        assert answer.headers.get("Retry-After") and NODE in answer.json()["error"]["message"]
+        assert m2.get(f"/v1/containers/{cid}").status_code == 503
+        assert running(docker_client, "early"), "the container should still run"
+    finally:
+        resume(agent.popen.pid)
+    follow(agent, m2)
+    assert m2.delete(f"/v1/containers/{cid}").status_code in (200, 202)
+    wait_for(lambda: not running(docker_client, "early"), 30, what="the container to be removed")
+    assert m2.get("/v1/containers/no-such-one").status_code == 404  # every known node is back: a miss is a 404
+    settles(m2, docker_client, {NODE})
