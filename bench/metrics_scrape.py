@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from prometheus_client import generate_latest
 
 from bench.harness import machine, machine_line, median, save, summary, table
-from gpumgr.manager.api.metrics import Metrics
+from gpumgr.manager.metrics import Metrics
 from gpumgr.manager.model.cluster import Cluster
 from gpumgr.manager.model.records import PlacementSpec
 from gpumgr.wire.names import State

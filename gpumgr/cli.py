@@ -382,8 +382,8 @@ def build_agent(settings: AgentSettings) -> Any:
     from gpumgr.agent import procmap
     from gpumgr.agent.agent import Agent, build_runtime
     from gpumgr.agent.gpus.select import open_source
-    from gpumgr.agent.hook.hook_limits import HookLimits
     from gpumgr.agent.identity import load_identity
+    from gpumgr.agent.runtimes.hook_limits import HookLimits
 
     procmap.set_root(settings.proc_root)
     source = open_source(settings.gpus, seed=settings.node)

@@ -9,11 +9,24 @@ that ``docker gpu``, which talks JSON, does not pay for ``dataclasses`` at start
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from gpumgr.client import ContainerCollection
 
+class ContainerCollection(Protocol):
+    """What a record's own methods call back on (``gpumgr.client``'s collection is one): kept here as a
+    protocol, so this module does not import the client that imports it."""
+
+    def get(self, ref: str) -> Container: ...
+
+    def remove(self, ref: str) -> Container: ...
+
+    def resize(self, ref: str, gpu_memory: int | str, *, force: bool = False) -> Container: ...
+
+    def wait(self, ref: str, timeout: float | None = None) -> WaitResult: ...
+
+    def kill(self, ref: str, signal: str = "SIGKILL") -> str: ...
+
+    def logs(self, ref: str, *, tail: int | None = None) -> bytes: ...
 
 @dataclass(frozen=True)
 class GpuRef:

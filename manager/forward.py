@@ -32,7 +32,7 @@ from gpumgr.wire import defaults
 from gpumgr.wire.errors import OutcomeUnknown
 
 if TYPE_CHECKING:
-    from gpumgr.manager.service import Manager
+    from gpumgr.manager.parts import ManagerParts
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ POLL = 0.05
 _local = threading.local()
 
 
-def front(manager: Manager) -> Response | None:
+def front(manager: ManagerParts) -> Response | None:
     """Before a ``/v1/...`` call: None to serve it here (this manager leads), else the leader's answer."""
     plane = manager.plane
     if isinstance(plane, Solo) or not request.path.startswith("/v1/"):
@@ -128,7 +128,7 @@ def _never_sent(exc: requests.ConnectionError) -> bool:
     return isinstance(exc, requests.ConnectTimeout)
 
 
-def tenants_digest(manager: Manager) -> str:
+def tenants_digest(manager: ManagerParts) -> str:
     """A short digest of this manager's tenants, tokens and policy: every manager of a plane must agree.
 
     ``/healthz`` is open, and the settings hold tokens: the digest is an HMAC keyed by the managers'
@@ -157,7 +157,7 @@ class DigestWatch:
     SIGHUP, and the watch says so once they agree again.
     """
 
-    def __init__(self, manager: Manager, every: float | None = None) -> None:
+    def __init__(self, manager: ManagerParts, every: float | None = None) -> None:
         self.manager = manager
         self.every = DIGEST_EVERY if every is None else every
         #: the last mismatch logged as (leader API, ours, theirs), or None while they agree
@@ -202,7 +202,7 @@ class DigestWatch:
                 log.exception("comparing tenants with the leader failed; trying again")
 
 
-def health(manager: Manager) -> dict[str, Any]:
+def health(manager: ManagerParts) -> dict[str, Any]:
     """``/healthz``'s fields about the control plane: role, leader, epoch, version, the tenants' digest."""
     plane = manager.plane
     digest = tenants_digest(manager)

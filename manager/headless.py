@@ -42,7 +42,7 @@ from gpumgr.wire.errors import GpumgrError
 from gpumgr.wire.names import EventType
 
 if TYPE_CHECKING:
-    from gpumgr.manager.service import Manager
+    from gpumgr.manager.parts import ManagerParts
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class Asks:
 class Headless:
     """``manager``'s side of the rule: a follower publishes its asks, a leader checks the rule (each sweep)."""
 
-    def __init__(self, manager: Manager) -> None:
+    def __init__(self, manager: ManagerParts) -> None:
         assert isinstance(manager.plane, Replicated) and isinstance(manager.plane.store, EtcdStore)
         self.manager = manager
         self.plane: Replicated = manager.plane

@@ -21,7 +21,7 @@ from gpumgr.wire.link.link import Peer
 from gpumgr.wire.names import LIVE, EventType, State
 
 if TYPE_CHECKING:
-    from gpumgr.manager.service import Manager
+    from gpumgr.manager.parts import ManagerParts
 
 log = logging.getLogger(__name__)
 #: The oldest agent whose commands this manager's match (a rolling upgrade moves agents first, then managers).
@@ -52,7 +52,7 @@ def version_tuple(text: str) -> tuple[int, ...]:
 class Inbound:
     """The manager's handler for the agent link (called on a lane, in order per node)."""
 
-    def __init__(self, manager: Manager) -> None:
+    def __init__(self, manager: ManagerParts) -> None:
         self.manager = manager
         self.cluster = manager.cluster
         #: queued hook requests (Swarm tasks waiting in their create): grant id → where the answer goes

@@ -35,7 +35,7 @@ from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.errors import GpumgrError
 
 if TYPE_CHECKING:
-    from gpumgr.manager.service import Manager
+    from gpumgr.manager.parts import ManagerParts
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ UNHEARD_FOR = 60.0
 class Leading:
     """Runs ``manager``'s side of its control plane's elections and losses; see the module docstring."""
 
-    def __init__(self, manager: Manager, grace: float = GRACE) -> None:
+    def __init__(self, manager: ManagerParts, grace: float = GRACE) -> None:
         self.manager = manager
         self.plane = manager.plane
         self.grace = grace

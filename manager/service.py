@@ -16,7 +16,6 @@ from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
-from gpumgr.manager.api.metrics import Metrics
 from gpumgr.manager.clock import SYSTEM, Clock
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.control.ha import DEPOSED, Replicated, Solo, control_plane
@@ -28,6 +27,7 @@ from gpumgr.manager.inbound import Inbound
 from gpumgr.manager.leading import Leading, NotLeader
 from gpumgr.manager.link.admission import Admission
 from gpumgr.manager.link.link import ManagerLink
+from gpumgr.manager.metrics import Metrics
 from gpumgr.manager.model.cluster import Cluster
 from gpumgr.manager.model.records import Command, OpKind, PlacementSpec
 from gpumgr.manager.policy import run_fields

@@ -32,15 +32,17 @@ from typing import Any
 
 import yaml
 
-from gpumgr.plugin.docker_gpu import (
-    SERVICE_OPTIONS,
+from gpumgr.plugin.cli_base import (
     Manager,
     PluginError,
     _docker,
     _docker_call,
     _docker_json,
     _take_options,
-    constraints_of,  # issue 23
+)
+from gpumgr.plugin.services import (
+    SERVICE_OPTIONS,
+    constraints_of,
     grant_args,
     print_tasks,
 )

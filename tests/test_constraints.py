@@ -330,8 +330,9 @@ def test_a_queued_constrained_request_keeps_its_constraints_across_a_manager_res
 
 
 def test_docker_gpu_passes_node_constraints_to_swarm_and_gpu_ones_to_the_hook() -> None:
-    from gpumgr.plugin.docker_gpu import PluginError, constraints_of
+    from gpumgr.plugin.cli_base import PluginError
     from gpumgr.plugin.placement import swarm_constraints
+    from gpumgr.plugin.services import constraints_of
 
     constraints, rest = constraints_of(["--replicas", "2", "--constraint", "node.labels.zone==a", "--constraint=gpu"
                                         ".model==NVIDIA H100 80GB HBM3", "--constraint", "node.name!=n3",

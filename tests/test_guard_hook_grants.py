@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpumgr.agent.hook.hook_limits import HookLimits
+from gpumgr.agent.runtimes.hook_limits import HookLimits
 from gpumgr.plugin.hook import ask_agent
 from gpumgr.wire.protocol import Reserve
 from tests.procs import AgentProc, wait_for

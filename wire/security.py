@@ -22,6 +22,8 @@ import json
 import os
 import re
 import secrets
+import socket
+import struct
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -189,3 +191,16 @@ def start_authenticator(context: zmq.Context[zmq.Socket[bytes]]) -> ThreadAuthen
     auth.start()
     auth.configure_curve(domain=ZAP_DOMAIN, location=zmq.auth.CURVE_ALLOW_ANY)
     return auth
+
+
+def trusted_peer(sock: socket.socket) -> bool:
+    """Whether the connecting process runs as root or as this agent's user (the socket's mode says the same).
+
+    The mode 0600 already keeps others out; the kernel's word on the peer is checked as well, so a
+    socket file whose mode was loosened by hand still admits no one else.
+    """
+    try:
+        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except OSError:
+        return False
+    return uid in (0, os.geteuid())

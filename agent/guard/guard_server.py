@@ -26,8 +26,8 @@ from typing import Any
 
 from gpumgr.agent.guard.engine_watch import EngineWatch, peer_pid
 from gpumgr.agent.guard.guard import PREFIX, Decision, Guard, GuardState
-from gpumgr.agent.hook.hooklink import trusted_peer
 from gpumgr.wire.engine import gpudev
+from gpumgr.wire.security import trusted_peer
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,4 @@
-"""The runtime hook's relay: the socket and pipe the OCI hook asks through, and the node's limits on
-what a hook request may ask for.
+"""The runtime hook's relay: the socket and pipe the OCI hook asks through, answered from the runtimes.
 
 May import the runtimes and :mod:`gpumgr.wire`.
 """

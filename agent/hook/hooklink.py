@@ -14,12 +14,12 @@ import contextlib
 import logging
 import os
 import socket
-import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpumgr.wire import defaults, envelope
+from gpumgr.wire.security import trusted_peer
 
 log = logging.getLogger(__name__)
 
@@ -164,16 +164,3 @@ class HookListener:
     def _close(conn: HookConnection) -> None:
         with contextlib.suppress(OSError):
             conn.sock.close()
-
-
-def trusted_peer(sock: socket.socket) -> bool:
-    """Whether the connecting process runs as root or as this agent's user (the socket's mode says the same).
-
-    The mode 0600 already keeps others out; the kernel's word on the peer is checked as well, so a
-    socket file whose mode was loosened by hand still admits no one else.
-    """
-    try:
-        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    except OSError:
-        return False
-    return uid in (0, os.geteuid())

@@ -18,9 +18,9 @@ from docker.types import CancellableStream, DeviceRequest
 
 from gpumgr.agent import procmap
 from gpumgr.agent.guard.guard_client import ticket_labels
-from gpumgr.agent.hook.hook_limits import HookLimits
 from gpumgr.agent.runtimes.docker_events import EngineEvents, caller_code, exit_code_of, finished_at
 from gpumgr.agent.runtimes.docker_run import create_options, read_logs
+from gpumgr.agent.runtimes.hook_limits import HookLimits
 from gpumgr.agent.runtimes.image_record import requested
 from gpumgr.agent.runtimes.logfollow import Followers
 from gpumgr.agent.runtimes.runtime import (

@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from gpumgr.agent.hook.hook_limits import SWARM_TASK_LABEL
+from gpumgr.agent.runtimes.hook_limits import SWARM_TASK_LABEL
 from gpumgr.wire.errors import InvalidRequest
 from gpumgr.wire.names import Env
 

@@ -11,15 +11,38 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sortedcontainers import SortedList
 
-if TYPE_CHECKING:
-    from gpumgr.manager.placing.scheduler import GpuSlot
-
 #: Changes of nodes logged for the rankings before each ranking takes its share (bounds the log's memory).
 CHANGES_LOGGED = 4096
+
+
+@dataclass(eq=False)
+class GpuSlot:
+    """One GPU as the scheduler sees it: where it is and how much can still be granted on it."""
+
+    uuid: str
+    node: str
+    index: int
+    total: int
+    reserved: int = 0
+    unmanaged: int = 0
+    headroom: int = 0
+    #: the model's name as NVML gives it
+    name: str = ""
+    compute_capability: str = ""
+    #: its node's labels (the node's own dict, shared by its GPUs)
+    labels: dict[str, str] = field(default_factory=dict)
+    #: its NVLink island, PCIe switch and CPU socket ids (see ``LINKS``); None: its node reported no topology
+    groups: tuple[int, int, int] | None = None
+
+    @property
+    def free(self) -> int:
+        """Schedulable free memory: what no grant, no stranger and no safety margin holds."""
+        free = self.total - self.reserved - self.unmanaged - self.headroom
+        return free if free > 0 else 0  # not max(): this runs several times per placement
 
 
 @dataclass

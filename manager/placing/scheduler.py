@@ -33,11 +33,12 @@ set, so a request is not given a set across sockets while the next node has an i
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple
 
 from gpumgr.manager.placing.free_index import FreeIndex as FreeIndex
+from gpumgr.manager.placing.free_index import GpuSlot as GpuSlot
 from gpumgr.manager.placing.free_index import first_at_least
 from gpumgr.wire.constraints import NO_CONSTRAINTS, Constraints
 from gpumgr.wire.errors import InvalidRequest, NoAgents, NoFit
@@ -60,32 +61,6 @@ class Placement(StrEnum):
 
 #: Read at every placement: an enum member as a global costs a tenth of ``Placement.SPREAD``.
 SPREAD = Placement.SPREAD
-
-
-@dataclass(eq=False)
-class GpuSlot:
-    """One GPU as the scheduler sees it: where it is and how much can still be granted on it."""
-
-    uuid: str
-    node: str
-    index: int
-    total: int
-    reserved: int = 0
-    unmanaged: int = 0
-    headroom: int = 0
-    #: the model's name as NVML gives it
-    name: str = ""
-    compute_capability: str = ""
-    #: its node's labels (the node's own dict, shared by its GPUs)
-    labels: dict[str, str] = field(default_factory=dict)
-    #: its NVLink island, PCIe switch and CPU socket ids (see ``LINKS``); None: its node reported no topology
-    groups: tuple[int, int, int] | None = None
-
-    @property
-    def free(self) -> int:
-        """Schedulable free memory: what no grant, no stranger and no safety margin holds."""
-        free = self.total - self.reserved - self.unmanaged - self.headroom
-        return free if free > 0 else 0  # not max(): this runs several times per placement
 
 
 class Request(NamedTuple):

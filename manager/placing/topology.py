@@ -12,14 +12,25 @@ closure loses nothing there.
 
 from __future__ import annotations
 
-from gpumgr.manager.model.records import Gpu
+from collections.abc import Sequence
+from typing import Protocol
+
 from gpumgr.manager.placing.scheduler import LINKS
+
+
+class Gpu(Protocol):
+    """What grouping reads and sets on one of the map's GPUs (the model's ``records.Gpu`` is one)."""
+
+    uuid: str
+    index: int
+    links: dict[str, str]
+    groups: tuple[int, int, int] | None
 
 #: Link name → its rank, best first (``system``, across sockets, ranks after every level).
 RANK = {name: rank for rank, name in enumerate((*LINKS, "system"))}
 
 
-def assign_groups(gpus: list[Gpu]) -> None:
+def assign_groups(gpus: Sequence[Gpu]) -> None:
     """Set each GPU's ``groups`` from the links reported; None on every GPU when none reported any."""
     if not any(g.links for g in gpus):
         for gpu in gpus:
@@ -31,7 +42,7 @@ def assign_groups(gpus: list[Gpu]) -> None:
         gpu.groups = (levels[0][gpu.uuid], levels[1][gpu.uuid], levels[2][gpu.uuid])
 
 
-def _components(gpus: list[Gpu], by_uuid: dict[str, Gpu], level: int) -> dict[str, int]:
+def _components(gpus: Sequence[Gpu], by_uuid: dict[str, Gpu], level: int) -> dict[str, int]:
     """Each GPU's group at ``level``: GPUs joined at that rank or better, transitively, keyed by their lowest index."""
     parent = {g.uuid: g.uuid for g in gpus}
 
