@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, field_validator
 
-from gpumgr.manager.tenants import TenantConfig
+from gpumgr.manager.tenancy.tenants import TenantConfig
 from gpumgr.wire import defaults
 from gpumgr.wire.config import Settings, size
 from gpumgr.wire.policy import Policy

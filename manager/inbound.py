@@ -12,8 +12,8 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from gpumgr.manager.hook_policy import hook_tenant  # issue 22
 from gpumgr.manager.model.records import Container, PlacementSpec
+from gpumgr.manager.tenancy.hook_policy import hook_tenant  # issue 22
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.errors import GpumgrError, NotFound, OutcomeUnknown

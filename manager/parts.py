@@ -16,7 +16,7 @@ from gpumgr.manager.events import EventLog
 from gpumgr.manager.link.admission import Admission
 from gpumgr.manager.model.cluster import Cluster
 from gpumgr.manager.model.records import Command
-from gpumgr.manager.tenants import TenantBook
+from gpumgr.manager.tenancy.tenants import TenantBook
 
 
 class LeadingPart(Protocol):

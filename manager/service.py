@@ -30,8 +30,8 @@ from gpumgr.manager.link.link import ManagerLink
 from gpumgr.manager.metrics import Metrics
 from gpumgr.manager.model.cluster import Cluster
 from gpumgr.manager.model.records import Command, OpKind, PlacementSpec
-from gpumgr.manager.policy import run_fields
-from gpumgr.manager.tenants import OPERATOR, Principal, Tenant, TenantBook, build_tenants
+from gpumgr.manager.tenancy.policy import run_fields
+from gpumgr.manager.tenancy.tenants import OPERATOR, Principal, Tenant, TenantBook, build_tenants
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.errors import (
     AgentTimeout,

@@ -14,7 +14,7 @@ from gpumgr.manager.api import nodes_cache
 from gpumgr.manager.api.app import create_app
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.service import Manager
-from gpumgr.manager.tenants import TenantConfig
+from gpumgr.manager.tenancy.tenants import TenantConfig
 from tests.fake_agent import FakeAgent, GiB
 
 

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from gpumgr.manager.model.cluster import Cluster
 from gpumgr.manager.model.records import OpKind, PlacementSpec
 from gpumgr.manager.placing.scheduler import Placement, Request, place
-from gpumgr.manager.tenants import Tenant, TenantBook
+from gpumgr.manager.tenancy.tenants import Tenant, TenantBook
 from gpumgr.wire.errors import GpumgrError, NoFit, QuotaExceeded
 from gpumgr.wire.names import LIVE, State
 from gpumgr.wire.protocol import ContainerReport, GpuInfo, Reply

@@ -16,7 +16,7 @@ import pytest
 from gpumgr.manager.api.app import create_app
 from gpumgr.manager.config import ManagerSettings
 from gpumgr.manager.service import Manager
-from gpumgr.manager.tenants import TenantConfig
+from gpumgr.manager.tenancy.tenants import TenantConfig
 from gpumgr.wire import protocol
 from gpumgr.wire.errors import PolicyDenied
 from gpumgr.wire.policy import Policy, check, on_node

@@ -16,7 +16,7 @@ from gpumgr.manager.api import routes as api
 from gpumgr.manager.api.idempotent import Idempotency
 from gpumgr.manager.api.nodes_cache import NodesCache
 from gpumgr.manager.service import Manager
-from gpumgr.manager.tenants import TenantBook
+from gpumgr.manager.tenancy.tenants import TenantBook
 from gpumgr.wire.errors import Forbidden, GpumgrError
 
 #: Open without the token: liveness, and the API's description (its shape is public, it holds no state).

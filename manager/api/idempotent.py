@@ -53,7 +53,7 @@ from gpumgr.manager.control.idempotency import (
     fingerprint,
 )
 from gpumgr.manager.leading import GRACE
-from gpumgr.manager.tenants import Principal
+from gpumgr.manager.tenancy.tenants import Principal
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import GpumgrError, IdempotencyMismatch, InProgress, NotFound
 from gpumgr.wire.names import State

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gpumgr.manager.model.cluster import Cluster
 from gpumgr.manager.model.records import Container
-from gpumgr.manager.tenants import Principal
+from gpumgr.manager.tenancy.tenants import Principal
 from gpumgr.wire.errors import Conflict, NotFound
 from gpumgr.wire.names import State
 

@@ -29,9 +29,9 @@ from gpumgr.manager.api.nodes_cache import NodesCache
 from gpumgr.manager.control.idempotency import HEADER, read_key
 from gpumgr.manager.leading import NotKnownYet
 from gpumgr.manager.model.records import Container, PlacementSpec
-from gpumgr.manager.policy import admit
 from gpumgr.manager.service import Manager
-from gpumgr.manager.tenants import OPERATOR, TENANT_NAME, Principal
+from gpumgr.manager.tenancy.policy import admit
+from gpumgr.manager.tenancy.tenants import OPERATOR, TENANT_NAME, Principal
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.constraints import MAX_CONSTRAINT_CHARS, MAX_CONSTRAINTS, parse_all
 from gpumgr.wire.errors import Forbidden, InvalidRequest, NotFound, ProtocolError

@@ -28,7 +28,7 @@ from gpumgr.manager.model.resize import Resizer
 from gpumgr.manager.model.terms import Terms
 from gpumgr.manager.model.views import MapReads
 from gpumgr.manager.placing.scheduler import place
-from gpumgr.manager.tenants import Tenant, TenantBook
+from gpumgr.manager.tenancy.tenants import Tenant, TenantBook
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.errors import (
     Conflict,

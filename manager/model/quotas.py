@@ -12,7 +12,7 @@ from typing import Any
 
 from gpumgr.manager.clock import SYSTEM, Clock
 from gpumgr.manager.model.records import Container
-from gpumgr.manager.tenants import Principal, Tenant, TenantBook, Usage
+from gpumgr.manager.tenancy.tenants import Principal, Tenant, TenantBook, Usage
 from gpumgr.wire.errors import QuotaExceeded
 from gpumgr.wire.names import State
 from gpumgr.wire.units import format_bytes

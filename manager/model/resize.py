@@ -12,7 +12,7 @@ from __future__ import annotations
 from gpumgr.manager.model.dispatch import Dispatch
 from gpumgr.manager.model.lifecycle import Lifecycle
 from gpumgr.manager.model.records import Command, Container, Op, OpKind
-from gpumgr.manager.tenants import Tenant
+from gpumgr.manager.tenancy.tenants import Tenant
 from gpumgr.wire.errors import Conflict, GpumgrError, NoAgents, NoFit
 from gpumgr.wire.names import EventType, State
 from gpumgr.wire.units import format_bytes

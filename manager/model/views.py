@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpumgr.manager.model.records import MetricsSnapshot
 from gpumgr.manager.placing.scheduler import LINKS
-from gpumgr.manager.tenants import Principal, Usage
+from gpumgr.manager.tenancy.tenants import Principal, Usage
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import NoAgents, NotFound
 from gpumgr.wire.names import LIVE, State

@@ -35,7 +35,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import zmq
 
@@ -50,6 +49,8 @@ from gpumgr.wire.link.link_parts import (
     LoopLag,
     Peer,
     Pending,
+    Waker,
+    bind_socket,
     key_of,
     resolve_future,
     same_sender,
@@ -60,15 +61,8 @@ from gpumgr.wire.link.parking import Parked, Parking
 __all__ = ["Configure", "Handler", "Link", "LinkHooks", "Peer"]
 log = logging.getLogger(__name__)
 
-_WAKE = b"w"
 #: Frames handled per wake-up before queued replies are sent.
 DRAIN_BATCH = 256
-
-
-@dataclass
-class _Wake:
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    socket: zmq.Socket[bytes] | None = None
 
 
 class Link:
@@ -105,10 +99,12 @@ class Link:
         self._park_for = park_for
         #: the longest time the owner spent between two polls since :meth:`take_lag` last read it
         self._lag = LoopLag(name)
+        #: the longest gap between two polls since the last call (seconds): how late the link may have heard
+        self.take_lag: Callable[[], float] = self._lag.take
         self._pending: dict[str, Pending] = {}
         self._pending_lock = threading.Lock()
         self._wake_addr = f"inproc://gpumgr-{name}-{id(self)}"
-        self._wake = _Wake()
+        self._wake = Waker(self._ctx, self._wake_addr)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._startup_error: Exception | None = None
@@ -155,16 +151,10 @@ class Link:
 
     def unreachable_for(self) -> float:
         """Seconds since frames last failed to leave, counted from the first failure; 0 while they leave."""
-        since = self._unreachable_since
-        return 0.0 if since is None else time.monotonic() - since
+        return 0.0 if (since := self._unreachable_since) is None else time.monotonic() - since
 
-    def _stamp(self) -> Epoch | None:
+    def _stamp(self) -> Epoch | None:  # the epoch to stamp on a frame (a manager of several), else None
         return None if self._epoch is None else self._epoch()
-
-    def take_lag(self) -> float:
-        """The longest gap between two polls since the last call (seconds): how late the link may have heard."""
-        return self._lag.take()
-
     def send(self, peer: bytes, message: protocol.Message, *, reply_to: str | None = None, key: str = "") -> None:
         """Queue ``message`` for ``peer`` (a routing id; ``b""`` on a DEALER); never blocks.
 
@@ -236,7 +226,7 @@ class Link:
             for sock in self._socks.values():
                 sock.close(linger=0)
             pull.close(linger=0)
-            self._close_wake()
+            self._wake.close()
 
     def _loop(self, pull: zmq.Socket[bytes]) -> None:
         poller = zmq.Poller()
@@ -290,7 +280,7 @@ class Link:
                 sock.setsockopt(zmq.MAXMSGSIZE, defaults.MAX_MESSAGE_BYTES)
                 self._configure(sock)
                 if self._bind:
-                    self._bind_socket(sock)
+                    self.bound_endpoint = bind_socket(sock, self.endpoint)
                 else:
                     sock.connect(address)
         except BaseException:
@@ -303,29 +293,8 @@ class Link:
         pull.bind(self._wake_addr)
         return pull
 
-    def _bind_socket(self, sock: zmq.Socket[bytes]) -> None:
-        base, _, port = self.endpoint.rpartition(":")
-        if port in ("0", "*"):
-            self.bound_endpoint = f"{base}:{sock.bind_to_random_port(base)}"
-        else:
-            sock.bind(self.endpoint)
-
     def _poke(self) -> None:
-        with self._wake.lock:
-            if self._stop.is_set() and self._wake.socket is None:
-                return
-            if self._wake.socket is None:
-                self._wake.socket = self._ctx.socket(zmq.PUSH)
-                self._wake.socket.setsockopt(zmq.LINGER, 0)
-                self._wake.socket.connect(self._wake_addr)
-            with contextlib.suppress(zmq.Again):  # the owner already has wake-ups queued
-                self._wake.socket.send(_WAKE, zmq.NOBLOCK)
-
-    def _close_wake(self) -> None:
-        with self._wake.lock:
-            if self._wake.socket is not None:
-                self._wake.socket.close(linger=0)
-                self._wake.socket = None
+        self._wake.poke(stopping=self._stop.is_set())
 
     def _move(self) -> None:
         target, self._retarget = self._retarget, None

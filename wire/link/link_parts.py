@@ -6,7 +6,9 @@ so the loop reads as what it does.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -15,6 +17,9 @@ from dataclasses import dataclass
 import zmq
 
 from gpumgr.wire import defaults, protocol
+
+#: What a wake-up carries (its content is never read).
+WAKE = b"w"
 
 log = logging.getLogger("gpumgr.wire.link.link")
 
@@ -113,3 +118,40 @@ def watch(poller: zmq.Poller, watched: set[int], wanted: set[int]) -> set[int]:
     for fd in wanted - watched:
         poller.register(fd, zmq.POLLIN)
     return wanted
+
+
+class Waker:
+    """Wakes a link's owner thread from any other: a PUSH socket to the owner's ``inproc`` PULL, made on first use."""
+
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], address: str) -> None:
+        self._ctx, self._address = context, address
+        self._lock = threading.Lock()
+        self._socket: zmq.Socket[bytes] | None = None
+
+    def poke(self, *, stopping: bool = False) -> None:
+        """Queue one wake-up (none while the link stops and nothing was opened; a full queue is wake-up enough)."""
+        with self._lock:
+            if stopping and self._socket is None:
+                return
+            if self._socket is None:
+                self._socket = self._ctx.socket(zmq.PUSH)
+                self._socket.setsockopt(zmq.LINGER, 0)
+                self._socket.connect(self._address)
+            with contextlib.suppress(zmq.Again):  # the owner already has wake-ups queued
+                self._socket.send(WAKE, zmq.NOBLOCK)
+
+    def close(self) -> None:
+        """Close the wake-up socket (the link stopped)."""
+        with self._lock:
+            if self._socket is not None:
+                self._socket.close(linger=0)
+                self._socket = None
+
+
+def bind_socket(sock: zmq.Socket[bytes], endpoint: str) -> str:
+    """Bind ``sock`` to ``endpoint`` (port 0 or ``*``: a free one); the endpoint it is bound to."""
+    base, _, port = endpoint.rpartition(":")
+    if port in ("0", "*"):
+        return f"{base}:{sock.bind_to_random_port(base)}"
+    sock.bind(endpoint)
+    return endpoint

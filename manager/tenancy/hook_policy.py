@@ -8,7 +8,7 @@ cannot quietly turn into an operator grant.
 
 from __future__ import annotations
 
-from gpumgr.manager.tenants import Tenant, TenantBook
+from gpumgr.manager.tenancy.tenants import Tenant, TenantBook
 from gpumgr.wire.errors import InvalidRequest
 from gpumgr.wire.protocol import Reserve
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpumgr.manager.tenants import Tenant, TenantBook
+from gpumgr.manager.tenancy.tenants import Tenant, TenantBook
 from gpumgr.wire.policy import Policy, check
 from gpumgr.wire.runspec import RunSpec
 
