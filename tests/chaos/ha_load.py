@@ -54,6 +54,7 @@ COMMAND = ["sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"]
 SIZES = (2 * GiB, 4 * GiB)
 #: 5xx codes that say the request was not carried out (nobody leads, no quorum, the store refused, ...)
 REFUSALS = frozenset({"no_quorum", "not_leader", "no_leader", "store_unavailable", "no_agents", "agent_failed",
+                      "not_known_yet",
                       "fenced"})
 LIVE = {"creating", "running"}
 ENDED = {"exited", "killed", "failed", "removed", "expired", "preempted"}
