@@ -14,6 +14,12 @@ answered what its node's state allows; every check held after every heal.
 
     python bench/chaos.py [--minutes 10] [--agents 100] [--seed N] [--clients 6] [--pause 0.1] [--json out.json]
 
+``--ha`` runs the HA soak instead (bench/chaos_ha.py): leaders stopped and killed, etcd members down, agents
+restarted, on three managers over a three-member etcd and two real agents, under keyed POST (some queued),
+DELETE and PATCH load; exit status 1 if any episode's checks failed:
+
+    python bench/chaos.py --ha [--minutes 10] [--managers 3] [--clients 4] [--seed N] [--json out.json]
+
 ``--seed`` (or ``GPUMGR_CHAOS_SEED``) replays a run's episodes: the same schedules in the same order.
 """
 
@@ -182,9 +188,13 @@ def main() -> int:
     parser.add_argument("--remove-timeout", type=float, default=4.0)
     parser.add_argument("--cpu-window", type=float, default=10.0, help="the manager's CPU is judged per window, s")
     parser.add_argument("--json", help="write the figures there")
+    parser.add_argument("--ha", action="store_true", help="the HA soak: leader, etcd and agent faults (chaos_ha.py)")
+    parser.add_argument("--managers", type=int, default=3, help="with --ha: how many managers")
     args = parser.parse_args()
     args.seed = run_seed() if args.seed is None else args.seed
     info = machine()
+    if args.ha:
+        return ha_main(args, info)
     print(f"chaos soak: {args.minutes:g} min, {args.agents} agents, seed {args.seed}; {machine_line(info)}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="gpumgr-chaos-"))
     result = soak(args, tmp)
@@ -195,6 +205,26 @@ def main() -> int:
         return 1
     shutil.rmtree(tmp, ignore_errors=True)
     print("\nall figures met")
+    return 0
+
+
+def ha_main(args: argparse.Namespace, info: dict[str, Any]) -> int:
+    """``--ha``: the HA soak; 1 if any episode failed its checks."""
+    from bench import chaos_ha
+
+    clients = 4 if args.clients == 6 else args.clients  # --clients' default is the network soak's
+    args.clients = clients
+    print(f"HA chaos soak: {args.minutes:g} min, {args.managers} managers, seed {args.seed}; {machine_line(info)}",
+          flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="gpumgr-chaos-ha-"))
+    result = chaos_ha.soak(args, tmp)
+    failed = chaos_ha.report(result)
+    save(args.json, "chaos_ha", args, machine=info, **result)
+    if failed:
+        print(f"\nFAILED {len(failed)} episode(s) (replay with --ha --seed {args.seed}); logs kept in {tmp}")
+        return 1
+    shutil.rmtree(tmp, ignore_errors=True)
+    print("\nevery episode's checks held")
     return 0
 
 
