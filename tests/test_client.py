@@ -261,13 +261,14 @@ def test_each_typed_record_has_every_field_of_its_response_shape(record, shape):
 
 
 def test_the_readmes_example_runs(tmp_path, monkeypatch, docker_client, test_image, capsys):
-    """The README's client example, run as written but for its image and command and a bounded events loop."""
+    """The docs' client example (docs/api/python.md), run as written but for its image and command and a bounded
+    events loop."""
     import re
 
     from tests.procs import ROOT, remove_containers_of
 
-    text = (ROOT / "README.md").read_text()
-    block = re.search(r"### From Python: `gpumgr.client`.*?```python\n(.*?)```", text, re.S)[1]
+    text = (ROOT / "docs" / "api" / "python.md").read_text()
+    block = re.search(r"^# From Python: `gpumgr.client`.*?```python\n(.*?)```", text, re.S | re.M)[1]
     # it runs a moment, so the example's resize finds it running however fast the create is answered
     block = block.replace('"pytorch:2", "python train.py"', f'"{test_image}", "sh -c \'sleep 2; echo hi; exit 3\'"')
     block = block.replace('types=["killed"])', 'types=["placed"], follow=False)')
@@ -275,7 +276,7 @@ def test_the_readmes_example_runs(tmp_path, monkeypatch, docker_client, test_ima
     agent = AgentProc(tmp_path, manager, "client23-readme", gpus="sim:2x24GiB")
     monkeypatch.setenv("GPUMGR_MANAGER", manager.url)
     try:
-        exec(compile(block, "README.md", "exec"), {})
+        exec(compile(block, "docs/api/python.md", "exec"), {})
     finally:
         agent.stop()
         manager.stop()

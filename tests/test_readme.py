@@ -1,4 +1,7 @@
-"""The README's Quick start, run as written: every ``sh`` block under it, in order, in one shell.
+"""The docs' Quick start (``docs/install.md``), run as written: every ``sh`` block under it, in order, in one shell.
+
+The README keeps the first of those blocks (install, ``gpumgr up``, the first ``curl``) under its own
+Quick start; they must be the docs' first blocks word for word, so running the docs' runs the README's.
 
 The blocks are found with markdown-it-py (the CommonMark parser rich itself uses), so a block is what
 a reader sees as one. They run against a real ``gpumgr up`` on simulated GPUs and the real Docker
@@ -11,7 +14,7 @@ engine, with three adjustments that let the test share a machine, each a plain t
 - the walkthrough's container names get a suffix unique to this run, so that two runs on one engine
   never collide.
 
-Then what the README says each step shows is checked against what it printed.
+Then what the page says each step shows is checked against what it printed.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from tests.procs import ROOT, free_port, wait_for
 pytestmark = pytest.mark.docker
 
 README = ROOT / "README.md"
+#: The page whose Quick start is the walkthrough; the README's Quick start is its beginning.
+WALKTHROUGH = ROOT / "docs" / "install.md"
 SECTION = "Quick start"
 PORT = "9400"
 NAMES = ("greedy", "neighbour")
@@ -57,10 +62,17 @@ def quick_start_blocks(text: str) -> list[str]:
 
 
 def test_the_quick_start_has_its_blocks() -> None:
-    """The extraction itself: a README without the section, or with its blocks renamed, must not pass as empty."""
-    blocks = quick_start_blocks(README.read_text())
+    """The extraction itself: a page without the section, or with its blocks renamed, must not pass as empty."""
+    blocks = quick_start_blocks(WALKTHROUGH.read_text())
     assert len(blocks) >= 5 and any("gpumgr up" in b for b in blocks) and any("docker exec" in b for b in blocks)
     assert quick_start_blocks("## Quick start\n\n```python\nprint(1)\n```\n## Other\n\n```sh\nls\n```\n") == []
+
+
+def test_the_readmes_quick_start_is_the_docs_beginning() -> None:
+    """The README's Quick start blocks are the walkthrough's first blocks, as written, so the test below runs them."""
+    readme, docs = quick_start_blocks(README.read_text()), quick_start_blocks(WALKTHROUGH.read_text())
+    assert readme and any(re.match(r"^gpumgr up\b", line) for b in readme for line in b.splitlines()), readme
+    assert docs[: len(readme)] == readme, "the README's Quick start must match the start of docs/install.md's"
 
 
 def adapt(block: str, port: int, suffix: str) -> tuple[str, bool]:
@@ -82,7 +94,7 @@ def adapt(block: str, port: int, suffix: str) -> tuple[str, bool]:
 
 @pytest.fixture
 def quick_start(tmp_path: Path, docker_client: Any, test_image: str) -> Any:
-    """Start ``gpumgr up`` as the README's block does when the script reaches it; stop it and clean up after."""
+    """Start ``gpumgr up`` as the page's block does when the script reaches it; stop it and clean up after."""
     port = free_port()
     suffix = uuid.uuid4().hex[:8]
     procs: list[subprocess.Popen[bytes]] = []
@@ -120,7 +132,7 @@ def _ready(port: int, proc: subprocess.Popen[bytes], log: Path) -> bool:
 def test_the_quick_start_runs_as_written(quick_start: Any, tmp_path: Path) -> None:
     port, suffix, start = quick_start
     outputs: dict[str, str] = {}
-    for number, block in enumerate(quick_start_blocks(README.read_text())):
+    for number, block in enumerate(quick_start_blocks(WALKTHROUGH.read_text())):
         script, starts = adapt(block, port, suffix)
         if starts:
             start(next(line for line in block.splitlines() if line.strip().startswith("gpumgr up")))
