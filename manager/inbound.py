@@ -12,6 +12,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
+from gpumgr.manager.model.reconcile import end_of
 from gpumgr.manager.model.records import Container, PlacementSpec
 from gpumgr.manager.tenancy.hook_policy import hook_tenant  # issue 22
 from gpumgr.wire import defaults, protocol
@@ -246,10 +247,10 @@ class Inbound:
             self.cluster.started(record.id, report)
             self.manager.send(self.cluster.follow_ups(record.id))
         elif report.state in (State.EXITED, State.KILLED):
-            state = State.KILLED if report.state == State.KILLED else State.EXITED
+            state, reason = end_of(report)  # an end with no exit code seen is no exit (see end_of)
             # the overrun that killed it is on record already, under "overrun": do not repeat its keys at the top
             detail = {} if "overrun" in record.detail else event.detail
-            self.cluster.finish(record.id, state, reason=report.reason, exit_code=report.exit_code,
+            self.cluster.finish(record.id, state, reason=reason, exit_code=report.exit_code,
                                 detail=detail, finished_at=report.finished_at, container_id=report.container_id)
 
     def _reserve(self, request: protocol.Reserve, reply_to: str) -> protocol.Reply | None:

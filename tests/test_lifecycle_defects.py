@@ -445,8 +445,52 @@ def test_a_delete_whose_container_exits_before_the_remove_is_answered_ends_witho
     op = world.cluster.get(cid).op
     world.agents[0].exit(cid, 0)  # stopped by the removal; the reply is still on the way
     assert world.cluster.get(cid).state is State.EXITED
-    assert op is not None and op.ended and op.error is None
+    assert op is not None and not op.ended  # the DELETE is done when its container is gone, not merely stopped
     world.answer(remove)
+    assert op.ended and op.error is None and world.cluster.get(cid).state is State.REMOVED
+    world.sound()
+
+
+def test_a_delete_whose_removal_was_cut_off_after_the_stop_is_finished_when_the_node_reports_it(tmp_path):
+    """The HA chaos suite's find: the agent was killed between the stop and the removal a DELETE asked for; the
+    DELETE had been answered as done on the stop, and the stopped container stayed in the engine, its record
+    ``exited``. Now the DELETE waits for the removal, and the node's next report of the stopped container has it
+    removed."""
+    world = World(tmp_path)
+    cid = world.post(4 * GiB)
+    world.answer(world.held(protocol.Create)[0])
+    world.delete(cid)
+    (remove,) = world.held(protocol.Remove)
+    op = world.cluster.get(cid).op
+    agent = world.agents[0]
+    agent.exit(cid, 0)  # stopped; the agent dies before removing it
+    world.answer(remove, apply=False, lose=True)
+    assert op is not None and op.ended and op.error is not None  # not answered as done
+    assert cid in agent.engine and world.cluster.get(cid).state is State.EXITED
+    agent.restart()
+    agent.register()  # the new agent process reports the stopped container
+    (again,) = world.held(protocol.Remove)
+    world.answer(again)
+    assert cid not in agent.engine and world.cluster.get(cid).state is State.REMOVED
+    world.sound()
+
+
+def test_an_end_reported_with_no_exit_code_is_not_recorded_as_an_exit(tmp_path):
+    """The HA chaos suite's find: a container gone from the engine while its agent was away was reported
+    ``exited`` with no exit code, and its record broke the invariant (an exit carries its code)."""
+    world = World(tmp_path)
+    gone, early = world.post(2 * GiB), world.post(2 * GiB)
+    for create in world.held(protocol.Create):
+        world.answer(create)
+    agent = world.agents[0]
+    for grant, reason in ((gone, None), (early, "removed_before_start")):
+        box = agent.engine[grant]
+        box.state, box.exit_code, box.ended_at = "exited", None, world.cluster.clock.monotonic()
+        report = protocol.ContainerReport(grant=grant, container_id=f"c-{grant}", gpus=box.gpus,
+                                          gpu_memory=box.gpu_memory, state="exited", reason=reason)
+        agent._say(protocol.ContainerEvent(node=agent.name, container=report))
+    assert world.cluster.get(gone).state is State.REMOVED and world.cluster.get(gone).exit_code is None
+    assert world.cluster.get(early).state is State.FAILED
     world.sound()
 
 

@@ -183,12 +183,13 @@ class Lifecycle:
         record.finished_at = finished_at or record.finished_at or self.clock.time()
         self.intents.ended(record.id)
         op = record.op
-        if op is not None:
+        if op is not None and op.kind is OpKind.REMOVE and error is None and to in (EXITED, KILLED) \
+                and record.desired is not RUNNING:
+            pass  # the stop its removal asked for, reported first: the Remove's reply (container gone) ends the op
+        elif op is not None:
             record.op = None
-            if op.kind is OpKind.REMOVE and error is None and (to in (REMOVED, PREEMPTED) or (
-                    to in (EXITED, KILLED) and record.desired is not RUNNING)):
-                # its node's report showed it gone (or stopped) before the Remove's reply came: the removal did
-                # what it was asked
+            if op.kind is OpKind.REMOVE and error is None and to in (REMOVED, PREEMPTED):
+                # its node's report showed it gone before the Remove's reply came: the removal did what it was asked
                 op.finish(None)
             else:
                 # a record that failed while an operation waited failed on its node (502), whatever noticed it

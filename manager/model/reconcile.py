@@ -267,6 +267,7 @@ class Reconciler:
         orphans: list[str] = []
         seen: set[str] = set()
         unknown: list[ContainerReport] = []
+        stale: list[Container] = []
         for report in reports:
             seen.add(report.grant)
             record = self.ledger.records.get(report.grant)
@@ -291,6 +292,9 @@ class Reconciler:
                 orphans.append(report.grant)  # it ended and runs again (docker restart): its grant is gone
             else:
                 record.gpu_memory_peak = max(record.gpu_memory_peak, report.peak)
+                if record.desired is State.REMOVED and record.state in (State.EXITED, State.KILLED) \
+                        and record.op is None and node.ready:
+                    stale.append(record)  # DELETEd, stopped, and still in the engine (its removal was cut off)
         records = self.ledger.records
         gone = [r for c in {c for g in node.gpus for c in g.holders} - seen if (r := records[c]).state is RUNNING]
         for record in sorted(gone, key=_by_id):  # RUNNING: see wire.names; in id order, as events are written
@@ -299,6 +303,9 @@ class Reconciler:
         # adopted last, against what is still granted once the containers that are gone have ended
         orphans += [report.grant for report in unknown if not self._adopt(node, report)]
         commands = [c for r in self._unsettled(node.name) if (c := self.follow_up(r)) is not None]
+        for record in stale:  # finished as a DELETE asked: the stopped container is removed from the engine too
+            if (op := self.life.begin(record, OpKind.REMOVE, self.remove_timeout)) is not None:
+                commands.append(Command(OpKind.REMOVE, record, op))
         return orphans, commands
 
     def _restarted(self, record: Container) -> bool:
@@ -336,8 +343,8 @@ class Reconciler:
             elif report.state == State.CREATING and record.op is None and record.deadline is not None:
                 record.deadline = max(record.deadline, now + defaults.TASK_START_TIMEOUT)
         if report.state in (State.EXITED, State.KILLED) and record.state in LIVE:
-            state = State.KILLED if report.state == State.KILLED else State.EXITED
-            self.life.move(record, state, report.reason, exit_code=report.exit_code, finished_at=report.finished_at)
+            state, reason = end_of(report)
+            self.life.move(record, state, reason, exit_code=report.exit_code, finished_at=report.finished_at)
             return
         self.enforced(record, report.gpu_memory)
 
@@ -382,9 +389,9 @@ class Reconciler:
                             record)
             return True
         # it ended while no manager heard it: its end is recorded now, with its reason, exit code and time
-        final = State(report.state) if report.state in {s.value for s in ENDED} else State.EXITED
-        self.life.admit_ended(record, final, report.reason, exit_code=report.exit_code,
-                              finished_at=report.finished_at)
+        final, reason = end_of(report) if report.state in (State.EXITED, State.KILLED) else (
+            State(report.state) if report.state in {s.value for s in ENDED} else State.EXITED, report.reason)
+        self.life.admit_ended(record, final, reason, exit_code=report.exit_code, finished_at=report.finished_at)
         return True
 
     def refuse_adoptions(self, node: str, refused: list[RefusedAdoption]) -> None:
@@ -420,3 +427,14 @@ class Reconciler:
             if other is not None and other.ready:
                 raise GpuConflict(f"GPU {info.uuid} is already held by node {other.name}, which is up: two agents "
                                   "read the same GPUs; stop one of them (or remove the other node once it is down)")
+
+
+def end_of(report: ContainerStatus) -> tuple[State, str | None]:
+    """How a container its node reports ended is recorded: ``exited`` needs an exit code, and one that ended with
+    none seen never ran to an exit of its own (removed before it started: failed) or is gone from its engine
+    (removed while its agent was away: removed)."""
+    if report.state == State.KILLED or report.exit_code is not None:
+        return (State.KILLED if report.state == State.KILLED else State.EXITED), report.reason
+    if report.reason == "removed_before_start":
+        return State.FAILED, "its container was removed before it started"
+    return State.REMOVED, report.reason or "its container is gone from its node (no exit code was seen)"
