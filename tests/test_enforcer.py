@@ -162,3 +162,35 @@ def test_a_missed_start_event_is_caught_by_the_resync(docker_client, test_image,
     finally:
         container.remove(force=True)
         runtime.close()
+
+
+@pytest.mark.docker
+def test_a_create_sent_again_to_a_new_agent_process_starts_the_container_once(docker_client, test_image, tmp_path):
+    """The HA chaos suite's find: an agent killed between the engine's create and start; the manager sent the create
+    again to the agent's new process, which refused it (the name was taken: 502 agent_failed, 'nothing ran'), and
+    the container it had adopted was started all the same. Now the new process answers with that container, started."""
+    from gpumgr.agent.runtimes.docker_runtime import DockerRuntime
+    from gpumgr.agent.runtimes.runtime import managed_from_labels
+    from gpumgr.wire.names import State
+    from tests.procs import TEST_NODES
+
+    node = f"unit-again-{tmp_path.name}"[:60]
+    TEST_NODES.add(node)
+    runtime = DockerRuntime(lambda m: None, node=node, network_mode="none", client=docker_client)
+    spec = ContainerSpec(grant="g-again", name=f"again-{tmp_path.name}"[:60], image=test_image,
+                         command=["sleep", "300"], gpus=["GPU-x"], gpu_memory=GiB)
+    labels = {"gpumgr.grant": "g-again", "gpumgr.test-node": node}
+    created = docker_client.api.create_container(test_image, ["sleep", "300"], name=spec.name, labels=labels,
+                                                  host_config=docker_client.api.create_host_config(network_mode="none"))
+    try:
+        managed = managed_from_labels(created["Id"], labels, test_image, State.CREATING)
+        managed.grant, managed.gpus, managed.gpu_memory = "g-again", ["GPU-x"], GiB
+        runtime._track(managed)  # what the new process adopted: created by the old one, never started
+        again = runtime.create(spec)
+        assert again.container_id == created["Id"] and again.state == State.RUNNING
+        assert docker_client.api.inspect_container(created["Id"])["State"]["Running"]
+        named = docker_client.api.containers(all=True, filters={"name": spec.name})
+        assert [c["Id"] for c in named] == [created["Id"]], "a second container was made"
+    finally:
+        docker_client.api.remove_container(created["Id"], force=True)
+        runtime.close()

@@ -18,8 +18,9 @@ import docker
 import docker.errors
 from docker.types import CancellableStream
 
-from gpumgr.agent.runtimes.runtime import Runtime
+from gpumgr.agent.runtimes.runtime import Managed, Runtime
 from gpumgr.wire import defaults
+from gpumgr.wire.errors import RuntimeFailure
 from gpumgr.wire.names import Label, State
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,22 @@ class EngineEvents(Runtime):
                 self._exited(managed, None)
             self._untrack(managed.grant)
 
+
+    def _created_before(self, grant: str) -> Managed | None:
+        """The container that already holds ``grant`` (an earlier agent process created it, and the manager sent
+        its create again to this one), started if it never was; None if there is none."""
+        with self._lock:
+            managed = self._table.get(grant)
+        if managed is None or managed.state != State.CREATING or managed.hook:
+            return managed
+        try:
+            self.client.api.start(managed.container_id)
+        except docker.errors.APIError as exc:
+            raise RuntimeFailure(f"docker could not start the container: {exc.explanation}",
+                                 code=caller_code(exc, starting=True)) from exc
+        with self._lock:
+            managed.state = State.RUNNING
+        return managed
 
     def _stop_restarted(self, managed: Any) -> None:
         """A container whose grant ended with its exit was started again behind gpumgr (``docker restart``, or

@@ -88,10 +88,12 @@ class DockerRuntime(EngineEvents):
     def create(self, spec: ContainerSpec) -> Managed:
         """Create, label and start the container; on any failure nothing is left behind.
 
-        Two engine calls, as ``docker run -d`` makes: create and start. The SDK's model layer would
-        inspect after each (four calls, each 10-20% of a start); an exit right after the start is
-        reported by the engine's event stream, which watches the container from before its start.
+        Two engine calls, as ``docker run -d`` makes: create and start (no inspect after either: the event
+        stream watches it from before its start). A create for a grant a container already holds (the
+        manager sent it again to this agent's new process) answers with that container, started: once.
         """
+        if (held := self._created_before(spec.grant)) is not None:
+            return held
         if not spec.image:
             raise RuntimeFailure("an image is required on a node that runs Docker", code="invalid_request")
         labels = {**spec.labels, **grant_labels(spec), Label.NODE: self.node}
