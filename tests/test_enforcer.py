@@ -194,3 +194,36 @@ def test_a_create_sent_again_to_a_new_agent_process_starts_the_container_once(do
     finally:
         docker_client.api.remove_container(created["Id"], force=True)
         runtime.close()
+
+
+@pytest.mark.docker
+def test_a_container_created_but_not_started_is_adopted_as_creating_and_its_late_start_kept(docker_client, test_image,
+                                                                                          tmp_path):
+    """The HA chaos suite's find: an agent killed between the engine's create and start; its new process adopted the
+    never-started container as ``exited``, so when the engine carried out the old process's start, it took it for
+    a restart behind gpumgr and killed it (exit 137) though its create had been answered 201."""
+    import time
+
+    from gpumgr.agent.runtimes.docker_runtime import DockerRuntime
+    from gpumgr.agent.runtimes.runtime import grant_labels
+    from gpumgr.wire.names import Label, State
+    from tests.procs import TEST_NODES, wait_for
+
+    node = f"unit-fresh-{tmp_path.name}"[:60]
+    TEST_NODES.add(node)
+    spec = ContainerSpec(grant="g-fresh", name=f"fresh-{tmp_path.name}"[:60], image=test_image,
+                         command=["sleep", "300"], gpus=["GPU-x"], gpu_memory=GiB)
+    labels = {**grant_labels(spec), Label.NODE: node}
+    created = docker_client.api.create_container(test_image, ["sleep", "300"], name=spec.name, labels=labels,
+                                                  host_config=docker_client.api.create_host_config(network_mode="none"))
+    runtime = DockerRuntime(lambda m: None, node=node, network_mode="none", client=docker_client)
+    try:
+        managed = runtime.get("g-fresh")
+        assert managed.state == State.CREATING and managed.exit_code is None
+        docker_client.api.start(created["Id"])  # the old process's start lands
+        wait_for(lambda: managed.state == State.RUNNING, 10, what="its start to be taken as the create's")
+        time.sleep(1.0)  # a kill (taken for a restart behind gpumgr) would have come by now
+        assert docker_client.api.inspect_container(created["Id"])["State"]["Running"]
+    finally:
+        docker_client.api.remove_container(created["Id"], force=True)
+        runtime.close()

@@ -371,11 +371,12 @@ class DockerRuntime(EngineEvents):
                 self._refuse(container, problem)
                 continue
             state = container.attrs["State"]
-            running = bool(state.get("Running"))
+            # never started ("created": its create was cut off, its start may still land): creating, not an exit
+            running, fresh = bool(state.get("Running")), state.get("Status") == "created"
             managed = managed_from_labels(_id(container), container.labels, container.attrs["Config"].get("Image", ""),
-                                          State.RUNNING if running else State.EXITED)
-            managed.exit_code = None if running else state.get("ExitCode")
-            managed.finished_at = None if running else finished_at(state)
+                                          State.RUNNING if running else State.CREATING if fresh else State.EXITED)
+            managed.exit_code = None if running or fresh else state.get("ExitCode")
+            managed.finished_at = None if running or fresh else finished_at(state)
             managed.pid = state.get("Pid") or None
             if managed.grant in resized:
                 managed.gpu_memory = self._resized_grants[managed.grant] = resized[managed.grant]

@@ -18,7 +18,7 @@ from operator import attrgetter
 from gpumgr.manager.model.lifecycle import ENDED, Lifecycle
 from gpumgr.manager.model.records import Command, Container, Gpu, Node, OpKind, PlacementSpec
 from gpumgr.wire import defaults
-from gpumgr.wire.errors import GpuConflict
+from gpumgr.wire.errors import GpuConflict, OutcomeUnknown
 from gpumgr.wire.names import LIVE, REMOVING, RUNNING, EventType, State
 from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuSample, RefusedAdoption
 from gpumgr.wire.units import format_bytes
@@ -76,11 +76,11 @@ class Reconciler:
             if gpu.health != was.get(gpu.uuid, ""):
                 self._health_event(gpu)
         self._extend_deadlines(name)
-        if restarted:  # a new agent process: creates the old one had not finished are lost with it
+        if restarted:  # a new agent process: the old one answers nothing it was asked
             reported = {c.grant for c in containers}
             for record in [r for r in self.ledger.records.values() if r.node == name
                            and r.state is State.CREATING and r.id not in reported]:
-                self.life.move(record, State.FAILED, "its node's agent restarted before creating the container")
+                lost_with_agent(self.life, record, name, 2 * self.down_after)
         orphans, commands = self._reconcile(node, containers, whole=True)
         self.life.intents.registered(name, {c.grant for c in containers}, set(self.ledger.records))
         return orphans, commands, restarted
@@ -438,3 +438,15 @@ def end_of(report: ContainerStatus) -> tuple[State, str | None]:
     if report.reason == "removed_before_start":
         return State.FAILED, "its container was removed before it started"
     return State.REMOVED, report.reason or "its container is gone from its node (no exit code was seen)"
+
+
+def lost_with_agent(life: Lifecycle, record: Container, name: str, wait: float) -> None:
+    """``record``'s agent restarted before reporting its container. A REST create in flight may still land (its
+    engine call may outlive the process): nobody knows, so it waits ``wait`` more; a hook's ended with the agent."""
+    op = record.op
+    if op is None or op.kind is not OpKind.CREATE or record.hook:
+        life.move(record, State.FAILED, "its node's agent restarted before creating the container")
+        return
+    record.deadline = life.clock.monotonic() + wait + defaults.CREATE_MARGIN
+    life.end_op(record, op, OutcomeUnknown(f"the agent of node {name} restarted before answering the create: the "
+                                           "container may still appear; look before trying again"))
