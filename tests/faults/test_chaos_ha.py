@@ -42,17 +42,12 @@ from tests.procs import wait_for
 SEED = run_seed()
 #: a failure shows at most this many problems
 MAX_SHOWN = 30
-#: an agent kill -9'd while a create is under way on its engine: the product still breaks its word at times
-AGENT_RESTART_BUG = pytest.mark.xfail(strict=False, reason=(
-    "product bug, intermittent since 484d6e1 (1 run in 2 here): after an agent's kill -9 mid-create and its restart "
-    "on its state dir, an exited record lacks its exit_code (the invariant), or a POST is answered 502 agent_failed "
-    "(which releases its key: 'nothing ran') though its container was started. Before 484d6e1 it failed every run: "
-    "a keyed resend answered 201, then the record and its container were removed as never confirmed. Not strict: "
-    "a strict xfail would fail the runs that pass"))
 #: the checks are polled this long after the heal (every DELETE'd container is gone within 10 s of it)
 SETTLE_WITHIN = 14.0
-CI_SCHEDULES = ["stop_leader", "flip", "kill_leader", "etcd_member", "etcd_quorum",
-                pytest.param("restart_agent", marks=AGENT_RESTART_BUG)]
+#: restart_agent found four product bugs (an unanswered create removed after its keyed resend got 201; a create sent
+#: again to the agent's new process refused while its container started; a never-started container adopted as
+#: exited and killed when its start landed; a DELETE finished on the stop, the container left behind): all fixed
+CI_SCHEDULES = ["stop_leader", "flip", "kill_leader", "etcd_member", "etcd_quorum", "restart_agent"]
 
 
 class Stacks:
