@@ -264,7 +264,7 @@ def test_the_command_line_prints_its_address_and_serves_until_interrupted(echo: 
         with socket.create_connection((host, int(port)), timeout=PATIENCE) as client:
             round_trip(client, b"by hand")
         process.send_signal(signal.SIGINT)
-        _, errors = process.communicate(timeout=PATIENCE * 2)
+        _, errors = process.communicate(timeout=30)  # it ends cleanly; how fast is not the point (a loaded CI)
         assert process.returncode == 0, errors
     finally:
         if process.poll() is None:

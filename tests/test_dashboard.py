@@ -277,8 +277,8 @@ def test_dashboard_asks_for_the_token_once(token_stack, browser, tmp_path):
 
 
 def test_dashboard_assets_ship_in_the_package():
-    """Everything the page loads is in manager/static and refers to nothing off this manager."""
-    static = Path(__file__).resolve().parent.parent / "manager" / "static"
+    """Everything the page loads is in manager/api/static and refers to nothing off this manager."""
+    static = Path(__file__).resolve().parent.parent / "manager" / "api" / "static"
     names = {p.name for p in static.iterdir()}
     assert {"index.html", "dashboard.js", "dashboard.css"} <= names
     for name in ("index.html", "dashboard.js", "dashboard.css"):
