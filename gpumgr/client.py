@@ -82,7 +82,7 @@ class Client(_Closing):
         With ``follow`` it never ends: it looks again every ``poll`` seconds, and when the manager goes
         away (restarted, or failed over to another URL) it keeps trying for up to ``reconnect_timeout``
         seconds and goes on from the last id it gave, so no event is given twice and none is skipped
-        (event ids keep rising across a manager's restarts; see the README). Without ``follow`` it ends
+        (event ids keep rising across a manager's restarts; see the docs). Without ``follow`` it ends
         once it has given what is there now.
         """
         from gpumgr.client_types import Event

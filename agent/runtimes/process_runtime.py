@@ -36,7 +36,7 @@ class ProcessRuntime(Runtime):
     member) until the last member is gone, not only the leader. Signals go to the group only while it
     has members: its number cannot be reused as a PID until then, so a signal never reaches a stranger
     who was given the same number after the group ended. Process groups do not outlive the agent's
-    knowledge of them: after an agent restart they are no longer managed (documented in the README).
+    knowledge of them: after an agent restart they are no longer managed (documented in docs/concepts).
     """
 
     kind = "process"

@@ -6,7 +6,7 @@ and print a token every manager refused (issue 33). So a manager records in its 
 uses: the URL and the paths of its TLS files, never their contents (``store.json``); it removes the record when
 it runs alone on the directory again. ``join-token`` then reads the secret from that store, or, when the store
 cannot be read, refuses and names ``--store``. A directory with no record is read as before: a fresh one gets
-its key pair (the README's second HA step makes the managers' shared key that way).
+its key pair (the HA guide's second step, docs/ha.md, makes the managers' shared key that way).
 """
 
 from __future__ import annotations
