@@ -160,7 +160,8 @@ class Manager:
         if record.state is State.QUEUED:
             return self.cluster.view(record), 202
         self.send(commands)
-        self._wait(commands, self.settings.create_timeout)
+        for command in commands:  # its create's answer (or its absence) settles the operation
+            command.op.wait(self.settings.create_timeout + defaults.CREATE_MARGIN)
         if record.state is State.FAILED or record.state is State.CREATING:
             op_error = next((c.op.error for c in commands if c.op.error is not None), None)
             raise unknown(op_error) if op_error is not None else \
@@ -244,7 +245,7 @@ class Manager:
             future: Future[protocol.Reply] | None = None
             leads = self.plane.is_leader
             with self.cluster.lock:
-                if not self.cluster.current(command):
+                if not self.cluster.current_op(command.record.id, command.op):
                     continue
                 node = self.cluster.ledger.nodes.get(command.record.node)
                 if leads and node is not None and node.ready:

@@ -18,18 +18,18 @@ from gpumgr.manager.clock import SYSTEM, Clock
 from gpumgr.manager.events import EventLog
 from gpumgr.manager.model.dispatch import Dispatch, request_for, take_slots
 from gpumgr.manager.model.ledger import Ledger
-from gpumgr.manager.model.lifecycle import ENDED, Lifecycle, placed_text
+from gpumgr.manager.model.lifecycle import ENDED, Lifecycle
 from gpumgr.manager.model.queue import QueueJournal, WaitQueue
 from gpumgr.manager.model.quotas import Quotas
 from gpumgr.manager.model.reconcile import Reconciler
-from gpumgr.manager.model.records import Command, Container, OpKind, PlacementSpec
+from gpumgr.manager.model.records import Command, Container, Op, OpKind, PlacementSpec
 from gpumgr.manager.model.replies import Replies
 from gpumgr.manager.model.resize import Resizer
 from gpumgr.manager.model.terms import Terms
 from gpumgr.manager.model.views import MapReads
 from gpumgr.manager.placing.scheduler import place
 from gpumgr.manager.tenancy.tenants import Tenant, TenantBook
-from gpumgr.wire import defaults, protocol
+from gpumgr.wire import defaults
 from gpumgr.wire.errors import (
     Conflict,
     NoAgents,
@@ -85,6 +85,8 @@ class Cluster(Terms, MapReads):
         self.reconciler = Reconciler(self.life, down_after=down_after, forget_after=forget_after)
         self.resizer = Resizer(self.life, self.dispatcher, defaults.REMOVE_TIMEOUT)
         self.replies = Replies(self.life, self.dispatcher, self.resizer, self.reconciler)
+        #: a node answered a command (``reply``), or did not (``error``): the follow-up commands (under the lock)
+        self.settle: Callable[..., list[Command]] = self.replies.answer
         self.queue_max = defaults.QUEUE_MAX
         #: how long a node has to answer a create before the manager stops waiting
         self.create_timeout = defaults.CREATE_TIMEOUT
@@ -202,7 +204,9 @@ class Cluster(Terms, MapReads):
             commands = []
             if record.state is CREATING:
                 self.life.outcome("placed")
-                commands = self._start_commands((record,), deadline)
+                op = record.op  # placed at once, its create begun with it; else (a walk placed it, a hook's) now
+                commands = [Command(_CREATE, record, op)] if op is not None else self._start_commands((record,),
+                                                                                                   deadline)
         if record.id in self.life.unwritten:
             self._write_ahead(record)
         return record, commands
@@ -231,6 +235,8 @@ class Cluster(Terms, MapReads):
                 tenant: Tenant | None) -> Container:
         if tenant is not None:
             self.quotas.check(tenant, spec.memory * spec.count, 1)
+        # the record first, then placing, then the lifecycle: one pass through each (bench/request_path.py)
+        record = self._new_record(spec, tenant)
         request = request_for(spec, spec.memory)  # an InvalidRequest here leaves nothing behind
         if not queue and not len(self.queue):  # the common case: nothing waits, place as always
             try:
@@ -244,16 +250,13 @@ class Cluster(Terms, MapReads):
                     raise NoFit("no GPU takes grants now: every GPU of the ready nodes is unhealthy "
                                 "(GET /v1/nodes says why)") from None
                 raise
-            record = self._new_record(spec, tenant)
             take_slots(record, slots)
-            self.life.admit(record)
-            self.life.event(_PLACED, (placed_text, spec.memory, record.gpus), record)
+            self.life.place_new(record, None if spec.hook else self.create_timeout)
             return record
         if queue and len(self.queue) >= self.queue_max:
             raise Conflict(f"the queue is full ({self.queue_max} requests wait); try again later", code="queue_full")
         if not queue and not self.ledger.index.by_node:
             raise NoAgents("no agent is ready to take containers; start one with 'gpumgr agent'")
-        record = self._new_record(spec, tenant)
         record.state, record.queued_at = State.QUEUED, self.clock.time()
         if queue_timeout is not None:
             record.expires_mono = self.clock.monotonic() + queue_timeout
@@ -341,14 +344,12 @@ class Cluster(Terms, MapReads):
     # --- what nodes answer and report ----------------------------------------------------------
     def current(self, command: Command) -> bool:
         """Whether ``command`` may still be sent (its operation is still the one in flight, in this map)."""
-        record = command.record
-        return self.ledger.records.get(record.id) is record and self.life.current(record, command.op)
+        return self.current_op(command.record.id, command.op)
 
-    def settle(self, command: Command, reply: protocol.Reply | None, error: Exception | None, *,
-               sent: bool = True) -> list[Command]:
-        """A node answered ``command`` (``reply``), or did not (``error``); return the follow-up commands."""
-        with self.lock:
-            return self.replies.settle(command, reply, error, sent=sent)
+    def current_op(self, cid: str, op: Op) -> bool:
+        """Whether ``op`` is still the operation in flight on record ``cid`` of this map."""
+        record = self.ledger.records.get(cid)
+        return record is not None and record.op is op
 
     def finish(self, cid: str, state: State, *, reason: str | None = None, exit_code: int | None = None,
                detail: dict[str, Any] | None = None, finished_at: float | None = None,

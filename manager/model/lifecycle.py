@@ -109,6 +109,17 @@ class Lifecycle:
                 self.quotas.count(record, 1)
             self.ledger.grant(record)
 
+    def place_new(self, record: Container, timeout: float | None) -> None:
+        """A new record placed at once (its GPUs assigned) joins the map ``creating``: its event, its tenant's count,
+        its create operation begun (none for a hook's: its node confirms it), and last its grant."""
+        self.ledger.records[record.id] = record
+        self.event(EventType.PLACED, (placed_text, record.gpu_memory, record.gpus), record)
+        if record.tenant is not None:
+            self.quotas.count(record, 1)
+        if timeout is not None:
+            record.op = Op(OpKind.CREATE, next(self._op_ids), self.clock.monotonic() + timeout)
+        self.ledger.grant(record)
+
     def admit_ended(self, record: Container, state: State, reason: str | None, *, exit_code: int | None = None,
                     finished_at: float | None = None) -> None:
         """A record that ended where no manager saw it (adopted after the fact, or refused) joins the map ended."""

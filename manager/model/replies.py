@@ -46,11 +46,17 @@ class Replies:
     def __init__(self, life: Lifecycle, dispatcher: Dispatch, resizer: Resizer, reconciler: Reconciler) -> None:
         self.life, self.dispatcher, self.resizer, self.reconciler = life, dispatcher, resizer, reconciler
 
+    def answer(self, command: Command, reply: protocol.Reply | None, error: Exception | None, *,
+               sent: bool = True) -> list[Command]:
+        """:meth:`settle` under the model's lock (``Cluster.settle`` is this: a reply's path stays in this file)."""
+        with self.life.ledger.lock:
+            return self.settle(command, reply, error, sent=sent)
+
     def settle(self, command: Command, reply: protocol.Reply | None, error: Exception | None, *,
                sent: bool = True) -> list[Command]:
         """A node answered ``command`` (``reply``), or did not (``error``); return the follow-up commands."""
         record, op = command.record, command.op
-        if not self.life.current(record, op):
+        if record.op is not op:  # (Lifecycle.current, read here: the reply's path stays in this file)
             return []  # a reply for an older operation: ignored
         lost = error if isinstance(error, GpumgrError) else AgentFailed(f"node {record.node}: {error}")
         ok = reply is not None and reply.ok
