@@ -21,6 +21,7 @@ import ipaddress
 import logging
 import random
 import selectors
+import signal
 import socket
 import struct
 import threading
@@ -471,7 +472,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     host, _, port = args.target.rpartition(":")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    # the interrupt may come as soon as the address is out, so it is caught around all of it
+    # Ctrl-C stops it even when started in the background of a shell, which starts it with SIGINT ignored (Python then
+    # keeps it ignored); the interrupt may come as soon as the address is out, so it is caught around all of it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with contextlib.suppress(KeyboardInterrupt), ChaosProxy((host, int(port)), args.listen) as proxy:
         print(proxy.address, flush=True)
         threading.Event().wait()
