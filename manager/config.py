@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, field_validator
 
+from gpumgr.manager.tenancy.accounts import AccountConfig
 from gpumgr.manager.tenancy.tenants import TenantConfig
 from gpumgr.wire import defaults
 from gpumgr.wire.config import Settings, size
@@ -33,6 +34,8 @@ class ManagerSettings(Settings):
     headless_after: float = Field(defaults.HEADLESS_AFTER, gt=0)
     threads: int = Field(defaults.API_THREADS, ge=1)
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+    #: fair share across teams: the tree of accounts (none: one waiting line, as without accounts)
+    accounts: dict[str, AccountConfig] = Field(default_factory=dict)
     #: what tenants may ask for beyond their containers (a tenant's own ``policy`` replaces it)
     policy: Policy = Field(default_factory=Policy)
     queue_aging: float = Field(defaults.QUEUE_AGING, gt=0)

@@ -129,14 +129,16 @@ def _never_sent(exc: requests.ConnectionError) -> bool:
 
 
 def tenants_digest(manager: ManagerParts) -> str:
-    """A short digest of this manager's tenants, tokens and policy: every manager of a plane must agree.
+    """A short digest of this manager's tenants, accounts, tokens and policy: every manager of a plane must agree.
 
     ``/healthz`` is open, and the settings hold tokens: the digest is an HMAC keyed by the managers'
     shared CURVE secret key, so it says "same or not" to anyone and lets no one test guesses of a token.
     """
     settings = manager.settings
     data = {"token": settings.token, "policy": settings.policy.model_dump(mode="json"),
-            "tenants": {name: config.model_dump(mode="json") for name, config in sorted(settings.tenants.items())}}
+            "tenants": {name: config.model_dump(mode="json") for name, config in sorted(settings.tenants.items())},
+            **({"accounts": {name: c.model_dump(mode="json") for name, c in sorted(settings.accounts.items())}}
+               if settings.accounts else {})}
     body = json.dumps(data, sort_keys=True, default=str).encode()
     return hmac.new(manager.admission.keys.secret.encode(), body, hashlib.sha256).hexdigest()[:16]
 

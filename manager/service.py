@@ -30,6 +30,7 @@ from gpumgr.manager.link.link import ManagerLink
 from gpumgr.manager.metrics import Metrics
 from gpumgr.manager.model.cluster import Cluster
 from gpumgr.manager.model.records import Command, OpKind, PlacementSpec
+from gpumgr.manager.tenancy.accounts import AccountTree, build_accounts
 from gpumgr.manager.tenancy.policy import run_fields
 from gpumgr.manager.tenancy.tenants import OPERATOR, Principal, Tenant, TenantBook, build_tenants
 from gpumgr.wire import defaults, protocol
@@ -72,6 +73,7 @@ class Manager:
         if isinstance(self.plane.store, EtcdStore):  # the queue's record is the shared store's, written by sync
             self.cluster.journal = self.cluster.life.journal = EtcdQueueJournal(self.plane.store)
         self.cluster.tenants = self.tenants
+        self.cluster.accounts = accounts_of(settings)
         self.cluster.reconciler.disruption_threshold = settings.disruption_threshold
         self.cluster.set_timeouts(settings.create_timeout, settings.remove_timeout)
         self.metrics = Metrics(self.cluster)
@@ -124,11 +126,13 @@ class Manager:
         self.cluster.journal.close()
 
     def reload_tenants(self, settings: ManagerSettings) -> None:
-        """Put new tenants, quotas and tokens in force (SIGHUP); raises ValueError, keeping the old ones."""
+        """Put new tenants, quotas, accounts and tokens in force (SIGHUP); raises ValueError, keeping the old ones."""
         tenants = build_tenants(settings.tenants, settings.token)
+        accounts = accounts_of(settings)
         self.tenants.replace(tenants, settings.token)
+        self.cluster.accounts = accounts
         self.settings = self.settings.model_copy(update={"tenants": settings.tenants, "token": settings.token,
-                                                         "policy": settings.policy})
+                                                         "policy": settings.policy, "accounts": settings.accounts})
         self.cluster.wake.set()  # a raised quota may let queued requests go
         log.info("tenants reloaded: %s", ", ".join(sorted(tenants)) or "none")
 
@@ -399,3 +403,6 @@ def _message(command: Command, settings: ManagerSettings, tenants: TenantBook, o
     return protocol.Remove(grant=record.id, stop_grace=min(defaults.STOP_GRACE, settings.remove_timeout / 2), op=op)
 
 
+def accounts_of(settings: ManagerSettings) -> AccountTree | None:
+    """The accounts ``settings`` configure, each tenant in its leaf; None without ``accounts:``. Raises ValueError."""
+    return build_accounts(settings.accounts, {name: c.account for name, c in settings.tenants.items()})

@@ -28,6 +28,7 @@ from gpumgr.manager.model.resize import Resizer
 from gpumgr.manager.model.terms import Terms
 from gpumgr.manager.model.views import MapReads
 from gpumgr.manager.placing.scheduler import place
+from gpumgr.manager.tenancy.accounts import AccountTree
 from gpumgr.manager.tenancy.tenants import Tenant, TenantBook
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import (
@@ -85,6 +86,7 @@ class Cluster(Terms, MapReads):
         self.reconciler = Reconciler(self.life, down_after=down_after, forget_after=forget_after)
         self.resizer = Resizer(self.life, self.dispatcher, defaults.REMOVE_TIMEOUT)
         self.replies = Replies(self.life, self.dispatcher, self.resizer, self.reconciler)
+        self.dispatcher.fair.paused = lambda: self.reconciler.disrupted  # the zone rule pauses reclaim
         #: a node answered a command (``reply``), or did not (``error``): the follow-up commands (under the lock)
         self.settle: Callable[..., list[Command]] = self.replies.answer
         self.queue_max = defaults.QUEUE_MAX
@@ -105,6 +107,17 @@ class Cluster(Terms, MapReads):
     @tenants.setter
     def tenants(self, book: TenantBook | None) -> None:
         self.quotas.book = book
+
+    @property
+    def accounts(self) -> AccountTree | None:
+        """The accounts in force (None: none configured, and the queue is one line as always)."""
+        return self.quotas.accounts
+
+    @accounts.setter
+    def accounts(self, tree: AccountTree | None) -> None:
+        with self.lock:
+            self.quotas.set_accounts(tree, list(self.ledger.records.values()))
+        self.wake.set()  # new shares may let queued requests go, or owe reclaim
 
     @property
     def down_after(self) -> float:
@@ -238,6 +251,8 @@ class Cluster(Terms, MapReads):
         # the record first, then placing, then the lifecycle: one pass through each (bench/request_path.py)
         record = self._new_record(spec, tenant)
         request = request_for(spec, spec.memory)  # an InvalidRequest here leaves nothing behind
+        if self.quotas.accounts is not None:
+            queue = self._account_room(record, queue)
         if not queue and not len(self.queue):  # the common case: nothing waits, place as always
             try:
                 slots = place(self.ledger.index, request)
@@ -287,6 +302,29 @@ class Cluster(Terms, MapReads):
         self.life.event(EventType.QUEUED, f"waits for {format_bytes(spec.memory)} on {spec.count} GPU(s) at position "
                         f"{position} of {len(self.queue)}: {why}", record, position=position)
         return record
+
+    def _account_room(self, record: Container, queue: bool) -> bool:
+        """With accounts: ``409 over_quota`` for a request its account may not run now and that will not wait.
+
+        A request past its account's quota runs only if preemptible (it borrows); one past a limit on its
+        account's path waits for its account's allocation to fall. Returns whether it goes through the queue.
+        """
+        tree, total = self.quotas.accounts, record.gpu_memory * record.count
+        assert tree is not None
+        record.account = account = tree.account_of(record.tenant)
+        never = self.quotas.never(account, total)
+        if never is not None:
+            raise Conflict(f"account {never}'s limit is {format_bytes(tree[never].limit or 0)}; this asks for "
+                           f"{format_bytes(total)} alone: it can never run; nothing was queued", code="over_quota")
+        verdict = self.quotas.room(account, total)
+        if verdict is None or (verdict == "over_quota" and record.preemptible):
+            return queue
+        why = (f"account {account} would pass a limit on its path" if verdict == "limit" else
+               f"account {account} would pass its quota ({format_bytes(tree[account].quota)}) and the request "
+               "is not preemptible: past its quota an account borrows only with preemptible requests")
+        if not queue:
+            raise Conflict(f"{why}; send \"queue\": true to wait until its allocation falls", code="over_quota")
+        return True
 
     def _new_record(self, spec: PlacementSpec, tenant: Tenant | None) -> Container:
         cid = self.new_id()

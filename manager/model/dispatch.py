@@ -8,6 +8,10 @@ may be chosen to make room for it: their desired state becomes ``preempted`` and
 stops them. A container whose node refused to stop it is left alone for a while, longer after each
 refusal (jittered), and after :data:`~gpumgr.wire.defaults.PREEMPT_RETRIES` refusals for good, with an
 event: other containers may be chosen meanwhile, never the same one at once. Called under the ledger's lock.
+
+With accounts configured the walk is :class:`~gpumgr.manager.model.sharing.FairWalk`'s: accounts below
+their fair share first, a blocked head blocking only its own account, priority preemption only inside
+one account, and reclaim between accounts.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 
 from gpumgr.manager.model.lifecycle import Lifecycle, placed_text
 from gpumgr.manager.model.records import Container, PlacementSpec
+from gpumgr.manager.model.sharing import FairWalk
 from gpumgr.manager.placing.scheduler import GpuSlot, Placement, Request, link_of, place
 from gpumgr.wire import defaults
 from gpumgr.wire.constraints import NO_CONSTRAINTS, Constraints, compiled
@@ -94,42 +99,62 @@ class Dispatch:
         self.refused: dict[str, Refusals] = {}
         #: the backoff's jitter factor (a test pins it)
         self.jitter: Callable[[], float] = jitter_factor
+        #: the walk and reclaim with accounts configured
+        self.fair = FairWalk(self)
 
     def walk(self, own: str | None = None, own_waits: bool = True) -> list[Container]:
-        """Place queued requests in order while they fit; return those placed (state ``creating``)."""
+        """Place queued requests in order while they fit; return those placed (state ``creating``).
+
+        With accounts configured the walk is :meth:`FairWalk.walk` (:mod:`gpumgr.manager.model.sharing`).
+        """
+        if self.life.quotas.accounts is not None:
+            return self.fair.walk(own, own_waits)
         placed: list[Container] = []
         position = 0
         queue, records, unwritten = self.life.queue, self.ledger.records, self.life.unwritten
         while position < len(queue):
             record = records[queue.at(position)]
-            spec = record.spec
             if unwritten and record.id in unwritten and record.id != own:
                 position += 1  # its queue entry is being written: accepted only once that is done
                 continue
-            request = request_for(spec, record.gpu_memory)
-            if (not self.life.quotas.within_live(record)
-                    or (spec.node is not None and spec.node not in self.ledger.index.by_node)
-                    or self.ledger.capacity(spec.count, spec.node, request.constraints) < record.gpu_memory):
+            if not self.may_try(record):
                 position += 1
                 continue
             try:
-                slots = place(self.ledger.index, request)
+                slots = place(self.ledger.index, self.request_of(record))
             except NoFit:
                 if record.id != own or own_waits:  # only a request that waits is worth stopping anything for
-                    self._plan_preemption(record)
+                    self.plan_preemption(record)
                 return placed
             except (NoAgents, GpumgrError):
                 return placed
-            take_slots(record, slots)
-            self.life.move(record, State.CREATING)
-            self.making_room.pop(record.id, None)
-            waited = self.life.clock.monotonic() - (record.queued_mono or 0.0)
-            if record.id != own:
-                self.life.outcome("placed")
-            self.life.event(EventType.PLACED, placed_text(record.gpu_memory, record.gpus)
-                            + (f" after waiting {waited:.1f}s in the queue" if record.id != own else ""), record)
+            self.placed(record, slots, own)
             placed.append(record)
         return placed
+
+    def request_of(self, record: Container) -> Request:
+        """What the scheduler is asked for queued ``record``."""
+        return request_for(record.spec, record.gpu_memory)
+
+    def may_try(self, record: Container) -> bool:
+        """False for a request stepped over: its tenant's quota holds it back, its node is not ready, or no
+        node on the map could hold it even empty."""
+        spec = record.spec
+        return not (not self.life.quotas.within_live(record)
+                    or (spec.node is not None and spec.node not in self.ledger.index.by_node)
+                    or self.ledger.capacity(spec.count, spec.node, self.request_of(record).constraints)
+                    < record.gpu_memory)
+
+    def placed(self, record: Container, slots: list[GpuSlot], own: str | None) -> None:
+        """Queued ``record`` takes ``slots``: it moves to ``creating``, with its event."""
+        take_slots(record, slots)
+        self.life.move(record, State.CREATING)
+        self.making_room.pop(record.id, None)
+        waited = self.life.clock.monotonic() - (record.queued_mono or 0.0)
+        if record.id != own:
+            self.life.outcome("placed")
+        self.life.event(EventType.PLACED, placed_text(record.gpu_memory, record.gpus)
+                        + (f" after waiting {waited:.1f}s in the queue" if record.id != own else ""), record)
 
     def expire(self) -> None:
         """End queued requests whose ``queue_timeout`` ran out."""
@@ -159,28 +184,57 @@ class Dispatch:
                         f"node, and the largest {where} has is {format_bytes(best)} each; nothing was queued",
                         code="never_fits")
 
-    def _plan_preemption(self, head: Container) -> None:
+    def plan_preemption(self, head: Container, same_account: bool = False) -> None:
         """Choose preemptible containers of lower priority whose grants, once freed, let ``head`` fit.
 
         Per GPU the fewest bytes are taken: the lowest priority first, then the youngest. Nothing is
         chosen again while containers already chosen for ``head`` are still stopping, nor one whose node
         refused to stop it while it backs off. The comparison is of priorities as asked: aging orders the
-        queue, it gives no right to stop anything.
+        queue, it gives no right to stop anything. With ``same_account`` (accounts configured) only
+        containers of ``head``'s own account are chosen: between accounts only reclaim moves room.
         """
         if not self.ledger.preemptible:
             return
-        if self.refused:
-            self._forget_ended()
         records = self.ledger.records
         chosen_before = self.making_room.get(head.id, set())
         if any(records[v].state in (State.CREATING, State.RUNNING) and records[v].desired is State.PREEMPTED
                for v in chosen_before if v in records):
             return
+        now = self.life.clock.monotonic()
+
+        def eligible(victim: Container) -> bool:
+            return (victim.preemptible and victim.state is State.RUNNING and victim.priority < head.priority
+                    and victim.desired is State.RUNNING and victim.op is None and self.may_stop(victim, now)
+                    and (not same_account or victim.account == head.account))
+
+        victims = self.cheapest_victims(head, eligible, lambda r: (r.priority, -r.created_at))
+        if not victims:
+            return
+        self.making_room[head.id] = {v.id for v in victims}
+        for victim in victims:
+            self.life.desire(victim, State.PREEMPTED, preempted_for=head.id)
+            self.life.event(EventType.PREEMPTED, f"stopping preemptible container (priority {victim.priority}) to "
+                            f"make room for queued request {head.id} (priority {head.priority})", victim,
+                            preempted_for=head.id)
+
+    def may_stop(self, victim: Container, now: float) -> bool:
+        """False while ``victim``'s node refused to stop it and it backs off (or for good)."""
+        if self.refused:
+            self._forget_ended()
+        return victim.id not in self.refused or self.refused[victim.id].not_before <= now
+
+    def cheapest_victims(self, head: Container, eligible: Callable[[Container], bool],
+                         order: Callable[[Container], Any]) -> list[Container]:
+        """The ``eligible`` running containers whose grants, once freed, let ``head`` fit, at the least cost.
+
+        Per GPU the holders are taken in ``order`` until ``head`` fits there; per node the ``count``
+        cheapest GPUs; of the nodes, the one that stops the fewest bytes. Empty if none would do.
+        """
+        records = self.ledger.records
         spec = head.spec
         nodes = [spec.node] if spec.node is not None else list(self.ledger.index.by_node)
         allowed = constraints_of(spec).allows if spec.constraints else None
         best: tuple[int, list[Container]] | None = None
-        now = self.life.clock.monotonic()
         for name in nodes:
             options: list[tuple[int, list[Container]]] = []
             for gpu in self.ledger.node_gpus(name):
@@ -190,14 +244,11 @@ class Dispatch:
                 if free >= head.gpu_memory:
                     options.append((0, []))
                     continue
-                candidates = sorted((records[c] for c in gpu.holders), key=lambda r: (r.priority, -r.created_at))
                 chosen: list[Container] = []
-                for victim in candidates:
+                for victim in sorted((records[c] for c in gpu.holders), key=order):
                     if free >= head.gpu_memory:
                         break
-                    if (victim.preemptible and victim.state is State.RUNNING and victim.priority < head.priority
-                            and victim.desired is State.RUNNING and victim.op is None
-                            and (victim.id not in self.refused or self.refused[victim.id].not_before <= now)):
+                    if eligible(victim):
                         chosen.append(victim)
                         free += victim.held
                 if free >= head.gpu_memory:
@@ -209,14 +260,7 @@ class Dispatch:
             cost = sum(v.held for v in victims)
             if victims and (best is None or cost < best[0]):
                 best = (cost, victims)
-        if best is None:
-            return
-        self.making_room[head.id] = {v.id for v in best[1]}
-        for victim in best[1]:
-            self.life.desire(victim, State.PREEMPTED, preempted_for=head.id)
-            self.life.event(EventType.PREEMPTED, f"stopping preemptible container (priority {victim.priority}) to "
-                            f"make room for queued request {head.id} (priority {head.priority})", victim,
-                            preempted_for=head.id)
+        return [] if best is None else best[1]
 
     def preemption_failed(self, victim: Container) -> None:
         """Its node could not stop ``victim``: it runs on unmarked and backs off; room is sought again for the head."""
@@ -269,6 +313,8 @@ class Dispatch:
                 continue
             if record.id in self.ledger.records:
                 continue
+            if self.life.quotas.accounts is not None:
+                record.account = self.life.quotas.accounts.account_of(record.tenant)
             self.life.admit(record)
             self.life.journaled.add(record.id)
             restored += 1

@@ -31,6 +31,8 @@ def intent_of(record: Container) -> dict[str, Any]:
                             "reason": record.desired_reason or ""}
     if record.desired is State.PREEMPTED and record.preempted_for:
         body["for"] = record.preempted_for
+    if record.desired is State.PREEMPTED and record.detail.get("reclaimed_for_account"):
+        body["account"] = record.detail["reclaimed_for_account"]
     return body
 
 
@@ -84,6 +86,8 @@ class Intents:
         if desired not in KEPT:
             desired = State.REMOVED
         detail = {"preempted_for": body["for"]} if desired is State.PREEMPTED and body.get("for") else {}
+        if desired is State.PREEMPTED and body.get("account"):
+            detail["reclaimed_for_account"] = str(body["account"])
         return desired, str(body.get("reason") or "removed on request"), detail
 
     def registered(self, node: str, reported: set[str], known: set[str]) -> None:

@@ -105,7 +105,7 @@ class Lifecycle:
         if record.state is State.QUEUED:
             self._enqueue(record, journal)
         else:
-            if record.tenant is not None:
+            if record.tenant is not None or record.account is not None:
                 self.quotas.count(record, 1)
             self.ledger.grant(record)
 
@@ -114,7 +114,7 @@ class Lifecycle:
         its create operation begun (none for a hook's: its node confirms it), and last its grant."""
         self.ledger.records[record.id] = record
         self.event(EventType.PLACED, (placed_text, record.gpu_memory, record.gpus), record)
-        if record.tenant is not None:
+        if record.tenant is not None or record.account is not None:
             self.quotas.count(record, 1)
         if timeout is not None:
             record.op = Op(OpKind.CREATE, next(self._op_ids), self.clock.monotonic() + timeout)
@@ -178,11 +178,13 @@ class Lifecycle:
             return True
         if now_from in LIVE:
             self.ledger.release(record)
-            if record.tenant is not None:
+            if record.tenant is not None or record.account is not None:
                 self.quotas.count(record, -1)
         if record.desired is PREEMPTED and to in _PREEMPTION_ENDS:
             to = PREEMPTED
-            reason = f"preempted to make room for queued request {record.preempted_for} of higher priority"
+            # reclaim's victims end "reclaimed" (their record names the account it was for)
+            reason = record.desired_reason or \
+                f"preempted to make room for queued request {record.preempted_for} of higher priority"
         record.state, record.deadline = to, None
         if to is KILLED and ("overrun" in record.detail or (detail is not None and "overrun" in detail)):
             self.overrun_kills[record.node] = self.overrun_kills.get(record.node, 0) + 1

@@ -1,8 +1,12 @@
-"""Tenants' quotas: what each tenant holds and has queued, checked before anything is granted or queued.
+"""Tenants' quotas and accounts' allocations: what each holds and has queued, checked before anything is granted.
 
 Live and queued requests count alike, as Kubernetes counts pending pods against a ResourceQuota;
 :meth:`Quotas.within_live` checks a queued request again at placement, against the quota in force
 then (SIGHUP may have lowered it). Called under the ledger's lock.
+
+With accounts configured (:mod:`gpumgr.manager.tenancy.accounts`) every live and queued record is also
+counted in its leaf account and every account above it: ``allocated`` (live grants) and ``waiting``
+(queued), in bytes × GPUs. A record's ``over_quota`` is decided here, once, when it is granted.
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ from typing import Any
 
 from gpumgr.manager.clock import SYSTEM, Clock
 from gpumgr.manager.model.records import Container
+from gpumgr.manager.tenancy.accounts import AccountTree
 from gpumgr.manager.tenancy.tenants import Principal, Tenant, TenantBook, Usage
 from gpumgr.wire.errors import QuotaExceeded
-from gpumgr.wire.names import State
+from gpumgr.wire.names import LIVE, State
 from gpumgr.wire.units import format_bytes
 
 
@@ -26,13 +31,79 @@ class Quotas:
         #: the tenants in force (set by the manager; None: no tenants)
         self.book: TenantBook | None = None
         self._usage: dict[str, Usage] = {}
+        #: the accounts in force (None: none configured, and nothing is counted in accounts)
+        self.accounts: AccountTree | None = None
+        #: every account's live grants and queued requests, bytes × GPUs (a parent's hold its children's)
+        self.allocated: dict[str, int] = {}
+        self.waiting: dict[str, int] = {}
 
     def clear(self) -> None:
         """Forget every tenant's counts (the map starts from nothing; the records that count come back)."""
         self._usage = {}
+        self.allocated, self.waiting = {}, {}
+
+    def set_accounts(self, tree: AccountTree | None, records: list[Container]) -> None:
+        """Put ``tree`` in force and count ``records`` (every record on the map) in it again from nothing.
+
+        A live or queued record is moved to the account its tenant has now; ``over_quota`` stays as decided.
+        """
+        self.accounts = tree
+        self.allocated, self.waiting = {}, {}
+        for record in records:
+            live = record.state in LIVE
+            if not live and record.state is not State.QUEUED:
+                continue
+            record.account = tree.account_of(record.tenant) if tree is not None else None
+            if record.account is not None:
+                self._add(record.account, (1 if live else 0) * record.gpu_memory * record.count,
+                          (0 if live else 1) * record.gpu_memory * record.count)
+
+    def _add(self, account: str, allocated: int, waiting: int) -> None:
+        """Add to ``account`` and every account above it."""
+        tree = self.accounts
+        if tree is None or account not in tree:
+            return
+        for name in tree[account].path:
+            if allocated:
+                self.allocated[name] = self.allocated.get(name, 0) + allocated
+            if waiting:
+                self.waiting[name] = self.waiting.get(name, 0) + waiting
+
+    def room(self, account: str, memory: int) -> str | None:
+        """Whether ``account`` may take ``memory`` more bytes now: None (within every quota on its path),
+        ``over_quota`` (it would borrow) or ``limit`` (it would pass a limit on its path)."""
+        tree = self.accounts
+        if tree is None or account not in tree:
+            return None
+        verdict = None
+        allocated = self.allocated
+        for name in tree[account].path:
+            node = tree[name]
+            held = allocated.get(name, 0) + memory
+            if node.limit is not None and held > node.limit:
+                return "limit"
+            if held > node.quota:
+                verdict = "over_quota"
+        return verdict
+
+    def never(self, account: str, memory: int) -> str | None:
+        """The account on ``account``'s path whose limit ``memory`` alone passes (it can never run), or None."""
+        tree = self.accounts
+        if tree is None or account not in tree:
+            return None
+        return next((n for n in tree[account].path if (lim := tree[n].limit) is not None and memory > lim), None)
 
     def count(self, record: Container, sign: int) -> None:
         """``record`` starts (+1) or stops (-1) counting against its tenant, as queued or live by its state."""
+        if record.account is not None:
+            total = record.gpu_memory * record.count
+            if record.state is State.QUEUED:
+                self._add(record.account, 0, sign * total)
+            else:
+                if sign > 0:  # granted: it borrows if its account passes a quota with it, fixed from now
+                    record.over_quota = self.room(record.account, total) is not None
+                    record.granted_mono = self.clock.monotonic()
+                self._add(record.account, sign * total, 0)
         if record.tenant is None:
             return
         use = self._usage.setdefault(record.tenant, Usage())
@@ -48,6 +119,9 @@ class Quotas:
 
     def resized(self, record: Container, delta: int) -> None:
         """``record``'s grant per GPU changes by ``delta`` bytes."""
+        if record.account is not None:
+            queued = record.state is State.QUEUED
+            self._add(record.account, 0 if queued else delta * record.count, delta * record.count if queued else 0)
         if record.tenant is None:
             return
         use = self._usage.setdefault(record.tenant, Usage())

@@ -369,6 +369,9 @@ class Reconciler:
             gpu_memory_peak=max(report.peak, sum(report.usage.values())),
             deadline=self.clock.monotonic() + defaults.TASK_START_TIMEOUT if report.state == State.CREATING else None,
         )
+        accounts = self.life.quotas.accounts
+        if accounts is not None:  # its over_quota is decided again as it is counted (oldest adopted first)
+            record.account = accounts.account_of(record.tenant)
         missing = [u for u in record.gpus if u not in self.ledger.gpus or self.ledger.gpus[u].node != node.name]
         over = [u for u in record.gpus if u not in missing and self.ledger.gpus[u].reserved + record.gpu_memory
                 > self.ledger.gpus[u].total - self.ledger.gpus[u].headroom]

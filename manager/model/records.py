@@ -167,6 +167,13 @@ class Container:
     usage_at: float = 0.0
     #: the weakest link joining its GPUs (``scheduler.LINKS``, or ``system``); None: one GPU, or no topology known
     topology: str | None = None
+    #: the leaf account it is counted in (None: no accounts are configured)
+    account: str | None = None
+    #: its account's allocation, with it, passed a quota on the account's path when it was placed: it
+    #: borrows, and reclaim may stop it (fixed at placement)
+    over_quota: bool = False
+    #: when it was granted (monotonic): reclaim leaves it alone for its account's ``reclaim_min_runtime``
+    granted_mono: float = 0.0
 
     @property
     def count(self) -> int:

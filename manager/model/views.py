@@ -74,6 +74,9 @@ def container_view(record: Container, gpus: dict[str, dict[str, Any]] | None = N
         # a grant not yet confirmed by its node's engine is released at this (wall-clock) time
         "confirm_by": None if confirm is None else time.time() + confirm - time.monotonic(),
         "queued_at": record.queued_at, "queue": queue, "preempted_for": record.preempted_for,
+        # the leaf account it is counted in (null: no accounts configured), and whether it borrows
+        "account": record.account, "over_quota": record.over_quota,
+        "reclaimed_for_account": record.detail.get("reclaimed_for_account"),
         "desired_state": str(record.desired), "operation": str(record.op.kind) if record.op is not None else None,
         # what the map reserves per GPU now: more than gpu_memory while its node still enforces more
         "gpu_memory_held": record.held,
@@ -186,6 +189,15 @@ class MapReads:
         """Each tenant the caller may see: quota, what it holds and has queued, and GiB·hours since start."""
         with self.ledger.lock:
             return self.quotas.view(principal)
+
+    def accounts_view(self, principal: Principal) -> list[dict[str, Any]] | None:
+        """Each account the caller may see (a tenant: its own and those above it); None: no accounts configured."""
+        with self.ledger.lock:
+            tree = self.quotas.accounts
+            if tree is None:
+                return None
+            visible = None if principal.operator else tree.visible_to(tree.account_of(principal.tenant))
+            return self.dispatcher.fair.view(visible)
 
     def usage_of(self, tenant: str) -> Usage:
         """A copy of what ``tenant`` holds now."""

@@ -44,6 +44,8 @@ class TenantConfig(BaseModel):
     priority: int = Field(0, ge=-defaults.MAX_PRIORITY, le=defaults.MAX_PRIORITY)
     #: what its requests may ask for beyond their containers; None: the manager's top-level ``policy``
     policy: Policy | None = None
+    #: the leaf account its requests are counted in (``accounts:``); None: ``default``
+    account: str | None = Field(None, max_length=600)
 
     @model_validator(mode="after")
     def _one_token(self) -> TenantConfig:

@@ -1,0 +1,190 @@
+"""The queue's walk with accounts configured: accounts below their fair share first, then reclaim.
+
+Only used when ``accounts:`` are configured; without them :meth:`Dispatch.walk` is the one walk.
+
+**The walk.** Each account's waiting requests keep the queue's order among themselves (priority, aging,
+first come). The walk repeatedly takes the head of the account with the lowest allocated/fair share
+(:mod:`gpumgr.manager.fairshare.shares`) whose line is not blocked, and tries it:
+
+- a head that would pass a ``limit`` on its account's path, or pass a quota and is not preemptible,
+  blocks its own account's line (it waits until its account's allocation falls);
+- a head that does not fit blocks its own account's line only; if the account is below its fair share
+  it is *owed* room: reclaim is planned for it, and from then on in this walk no other account may
+  start borrowing (placing past its quota), so the room reclaim frees goes to the one it was made for;
+- inside the one account, priority preemption is planned as without accounts (never across accounts).
+
+**Reclaim** (:meth:`FairWalk.plan_reclaim`) compares accounts under their lowest common parent, as KAI
+does: for a head in leaf ``R``, a running container ``v`` of leaf ``V`` may be stopped only if it is
+``over_quota``, has run its account's ``reclaim_min_runtime``, is not already being stopped, and ``V``'s
+side of the split (``V'``) is above its fair share while ``R``'s side (``R'``) is below. Victims are
+chosen per GPU by the highest allocated/fair share of ``V'`` first, then the lowest priority, then the
+youngest. The chosen set is kept only if, for every ``V'`` it takes from, Kueue's
+``LessThanOrEqualToFinalShare`` holds: ``R'``'s share with the request is at most ``V'``'s after the
+reclaim (:func:`gpumgr.manager.fairshare.reclaim.allowed`), the rule that cannot loop. Reclaim is paused
+while the zone rule holds (many nodes silent at once). Called under the ledger's lock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from gpumgr.manager.fairshare.reclaim import allowed
+from gpumgr.manager.fairshare.shares import Shares, compute
+from gpumgr.manager.model.lifecycle import Lifecycle
+from gpumgr.manager.model.records import Container
+from gpumgr.manager.placing.scheduler import GpuSlot, Request, place
+from gpumgr.manager.tenancy.accounts import AccountTree
+from gpumgr.wire.errors import GpumgrError, NoAgents, NoFit
+from gpumgr.wire.names import EventType, State
+
+
+class Walker(Protocol):
+    """What the fair walk uses of :class:`~gpumgr.manager.model.dispatch.Dispatch` (which owns it)."""
+
+    life: Lifecycle
+    making_room: dict[str, set[str]]
+
+    def may_try(self, record: Container) -> bool: ...
+    def request_of(self, record: Container) -> Request: ...
+    def placed(self, record: Container, slots: list[GpuSlot], own: str | None) -> None: ...
+    def plan_preemption(self, head: Container, same_account: bool = False) -> None: ...
+    def may_stop(self, victim: Container, now: float) -> bool: ...
+    def cheapest_victims(self, head: Container, eligible: Callable[[Container], bool],
+                         order: Callable[[Container], Any]) -> list[Container]: ...
+
+
+class FairWalk:
+    """The walk and reclaim of :mod:`gpumgr.manager.model.sharing` over one :class:`Dispatch`'s queue."""
+
+    def __init__(self, dispatch: Walker) -> None:
+        self.dispatch = dispatch
+        self.life = dispatch.life
+        self.ledger = dispatch.life.ledger
+        #: whether reclaim is paused now (the zone rule holds); set by the cluster
+        self.paused: Callable[[], bool] = lambda: False
+        #: how many reclaims were planned (each may stop several containers)
+        self.reclaims = 0
+
+    @property
+    def tree(self) -> AccountTree:
+        tree = self.life.quotas.accounts
+        assert tree is not None
+        return tree
+
+    def capacity(self) -> int:
+        """What the ready nodes' schedulable GPUs could grant, empty (bytes × GPUs): the root's share."""
+        return sum(s.total - s.headroom for slots in self.ledger.index.by_node.values() for s in slots)
+
+    def shares(self) -> Shares:
+        """This moment's fair shares, allocations and requests of every account."""
+        quotas = self.life.quotas
+        return compute(self.tree, quotas.allocated, quotas.waiting, self.capacity())
+
+    def walk(self, own: str | None, own_waits: bool) -> list[Container]:
+        """Place queued requests while they fit, accounts below their fair share first; return those placed."""
+        dispatch, life, tree = self.dispatch, self.life, self.tree
+        records, unwritten, quotas = self.ledger.records, life.unwritten, life.quotas
+        lines: dict[str, deque[tuple[int, Container]]] = {}
+        for order, cid in enumerate(life.queue.ids()):
+            record = records[cid]
+            lines.setdefault(record.account or "", deque()).append((order, record))
+        shares = self.shares()
+        placed: list[Container] = []
+        blocked: set[str] = set()
+        owed = False  # an account below its fair share waits for room: nobody else starts borrowing
+        while True:
+            open_lines = [a for a, line in lines.items() if line and a not in blocked]
+            if not open_lines:
+                return placed
+            account = min(open_lines, key=lambda a: (shares.ratio(a), lines[a][0][0]))
+            _, record = lines[account][0]
+            if (unwritten and record.id in unwritten and record.id != own) or not dispatch.may_try(record):
+                lines[account].popleft()  # stepped over: it blocks nobody
+                continue
+            total = record.gpu_memory * record.count
+            verdict = quotas.room(account, total)
+            if verdict == "limit" or (verdict == "over_quota" and (owed or not record.preemptible)):
+                blocked.add(account)
+                continue
+            try:
+                slots = place(self.ledger.index, dispatch.request_of(record))
+            except NoFit:
+                blocked.add(account)
+                if record.id != own or own_waits:
+                    if shares.ratio(account) < 1.0:
+                        owed = True
+                        self.plan_reclaim(record, shares)
+                    dispatch.plan_preemption(record, same_account=True)
+                continue
+            except (NoAgents, GpumgrError):
+                return placed
+            lines[account].popleft()
+            dispatch.placed(record, slots, own)
+            for name in tree[account].path:
+                shares.allocated[name] = shares.allocated.get(name, 0.0) + total
+            placed.append(record)
+
+    def plan_reclaim(self, head: Container, shares: Shares) -> None:
+        """Stop over-quota containers of accounts above their fair share so that ``head`` fits; see the docstring."""
+        if self.paused() or head.account is None:
+            return
+        dispatch, tree, records = self.dispatch, self.tree, self.ledger.records
+        chosen_before = dispatch.making_room.get(head.id, set())
+        if any(records[v].state in (State.CREATING, State.RUNNING) and records[v].desired is State.PREEMPTED
+               for v in chosen_before if v in records):
+            return  # its room is being made
+        need = float(head.gpu_memory * head.count)
+        now = self.life.clock.monotonic()
+        sides: dict[str, tuple[str, str] | None] = {}
+
+        def side(victim: Container) -> tuple[str, str] | None:
+            account = victim.account or ""
+            if account not in sides:
+                split = tree.split(head.account or "", account) if account in tree else None
+                sides[account] = split if split is not None and shares.ratio(split[0]) < 1.0 < \
+                    shares.ratio(split[1]) else None
+            return sides[account]
+
+        def eligible(victim: Container) -> bool:
+            if not (victim.over_quota and victim.state is State.RUNNING and victim.desired is State.RUNNING
+                    and victim.op is None and victim.account != head.account and dispatch.may_stop(victim, now)):
+                return False
+            if now - victim.granted_mono < tree[victim.account or ""].reclaim_min_runtime:
+                return False
+            split = side(victim)
+            return split is not None and allowed(shares, split[0], need, split[1],
+                                                 float(victim.gpu_memory * victim.count))
+
+        def order(victim: Container) -> tuple[float, int, float]:
+            split = side(victim)
+            return (-shares.ratio(split[1]) if split else 0.0, victim.priority, -victim.created_at)
+
+        victims = dispatch.cheapest_victims(head, eligible, order)
+        if not victims:
+            return
+        taken: dict[tuple[str, str], float] = {}
+        for victim in victims:
+            split = side(victim)
+            assert split is not None
+            taken[split] = taken.get(split, 0.0) + victim.gpu_memory * victim.count
+        if not all(allowed(shares, mine, need, theirs, amount) for (mine, theirs), amount in taken.items()):
+            return  # together they would take the victims' side below the reclaimer's: no loop is started
+        self.reclaims += 1
+        dispatch.making_room[head.id] = {v.id for v in victims}
+        for victim in victims:
+            self.life.desire(victim, State.PREEMPTED, "reclaimed", preempted_for=head.id,
+                             reclaimed_for_account=head.account)
+            self.life.event(EventType.PREEMPTED, f"reclaimed: stopping over-quota container of account "
+                            f"{victim.account} to give account {head.account} its fair share (for queued request "
+                            f"{head.id})", victim, preempted_for=head.id, reclaimed_for_account=head.account)
+
+    def view(self, visible: list[str] | None) -> list[dict[str, Any]]:
+        """Every account (or the ``visible`` ones) with its settings, fair share, allocation, request and waiting."""
+        tree, shares = self.tree, self.shares()
+        waiting = self.life.quotas.waiting
+        names = list(tree.accounts) if visible is None else [n for n in visible if n in tree]
+        return [{**tree[name].view(), "fair_share": round(shares.fair.get(name, 0.0)),
+                 "allocated": int(shares.allocated.get(name, 0)), "requested": int(shares.requested.get(name, 0)),
+                 "waiting": int(waiting.get(name, 0))} for name in sorted(names)]
