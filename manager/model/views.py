@@ -249,7 +249,8 @@ class MapReads:
         return None
 
     def check(self) -> list[str]:
-        """The invariant over the model (empty: it holds), with every tenant's count equal to its records' sum."""
+        """The invariant over the model (empty: it holds), with every tenant's and account's count equal to its
+        records' sum."""
         with self.ledger.lock:
             found = self.ledger.check()
             held: dict[str, int] = {}
@@ -260,4 +261,23 @@ class MapReads:
                 counted = self.quotas.usage_of(tenant).memory
                 if counted != held.get(tenant, 0):
                     found.append(f"tenant {tenant} counts {counted} bytes, its records {held.get(tenant, 0)}")
-            return found
+            return found + self._accounts_check()
+
+    def _accounts_check(self) -> list[str]:
+        """Every account's allocated and waiting bytes equal its records' sums (with accounts configured)."""
+        tree = self.quotas.accounts
+        if tree is None:
+            return []
+        sums: dict[tuple[str, bool], int] = {}
+        for record in self.ledger.records.values():
+            live = record.state in LIVE
+            if (live or record.state is State.QUEUED) and record.account in tree:
+                for name in tree[record.account or ""].path:
+                    sums[name, live] = sums.get((name, live), 0) + record.gpu_memory * record.count
+        found = []
+        for name in tree.accounts:
+            for live, counted in ((True, self.quotas.allocated), (False, self.quotas.waiting)):
+                if counted.get(name, 0) != sums.get((name, live), 0):
+                    found.append(f"account {name} counts {counted.get(name, 0)} bytes "
+                                 f"{'allocated' if live else 'waiting'}, its records {sums.get((name, live), 0)}")
+        return found
