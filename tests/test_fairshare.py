@@ -311,3 +311,21 @@ def test_limit_minus_one_means_unlimited_and_reclaim_min_runtime_is_inherited() 
     tree = account_tree({"r": {"limit": {"gpu_memory": -1}, "reclaim_min_runtime": 7}, "r/v": {}}, {})
     assert tree["r"].limit is None and tree["r/v"].reclaim_min_runtime == 7
     assert tree[DEFAULT].reclaim_min_runtime == 60
+
+
+def test_the_docs_worked_example() -> None:
+    """docs/concepts/accounts.md: 16 GPUs of 80 GiB, every leaf asking for everything."""
+    gib = 1 << 30
+    accounts = {"research": {"quota": {"gpu_memory": 320 * gib}, "over_quota_weight": 3,
+                             "limit": {"gpu_memory": 640 * gib}},
+                "research/vision": {"quota": {"gpu_memory": 160 * gib}},
+                "research/nlp": {"quota": {"gpu_memory": 80 * gib}},
+                "prod": {"quota": {"gpu_memory": 160 * gib}, "priority": 1}}
+    asked = {"research/vision": 9999.0 * gib, "research/nlp": 9999.0 * gib, "prod": 9999.0 * gib}
+    fair = shares_of(accounts, asked, 1280 * gib)
+    assert {k: round(v / gib) for k, v in fair.items() if k != DEFAULT} == {
+        "research": 320, "prod": 960, "research/vision": 200, "research/nlp": 120}
+    accounts["prod"]["priority"] = 0
+    fair = shares_of(accounts, asked, 1280 * gib)
+    assert {k: round(v / gib) for k, v in fair.items() if k != DEFAULT} == {
+        "research": 640, "prod": 640, "research/vision": 360, "research/nlp": 280}
