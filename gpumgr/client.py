@@ -41,7 +41,7 @@ from gpumgr.wire.errors import (
 )
 
 if TYPE_CHECKING:
-    from gpumgr.client_types import Container, Event, Node, WaitResult
+    from gpumgr.client_types import Account, Container, Event, Node, WaitResult
 
 #: Seconds between two looks at ``GET /v1/events`` while following.
 EVENTS_POLL = 0.5
@@ -52,7 +52,7 @@ MULTIPLEXED = "application/vnd.docker.multiplexed-stream"
 FRAME_HEADER = 8
 
 class Client(_Closing):
-    """The manager's API as objects: ``containers``, ``nodes``, ``events()``.
+    """The manager's API as objects: ``containers``, ``nodes``, ``events()``, ``accounts()``.
 
     ``base_url`` is one URL or several (a list, or one comma-separated string): a call that cannot connect
     to one goes on to the next, and later calls start with the one that answered.
@@ -74,6 +74,13 @@ class Client(_Closing):
     def health(self) -> dict[str, Any]:
         """``GET /healthz``: ``{"status": "ok", "nodes_ready": N, "token_required": bool}``."""
         return dict(self.api.call("GET", "/healthz"))
+
+    def accounts(self) -> list[Account]:
+        """``GET /v1/accounts``: each account the caller may see with its fair share and allocation (none: no
+        accounts configured); a tenant sees its own account and those above it."""
+        from gpumgr.client_types import Account
+
+        return [Account.from_json(a) for a in self.api.call("GET", "/v1/accounts")["accounts"]]
 
     def events(self, since: int | None = None, types: Sequence[str] | None = None, *, follow: bool = True,
                poll: float = EVENTS_POLL, reconnect_timeout: float = RECONNECT_TIMEOUT) -> Iterator[Event]:

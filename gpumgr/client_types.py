@@ -1,4 +1,5 @@
-"""The typed records :mod:`gpumgr.client` returns: a container, a node and its GPUs, an event, a wait's end.
+"""The typed records :mod:`gpumgr.client` returns: a container, a node and its GPUs, an event, a wait's end,
+an account.
 
 Each mirrors one response shape of the REST API (``manager/openapi.py``) and is built from its JSON by
 ``from_json``. ``raw`` keeps the whole JSON object, so a field a newer manager adds is still reachable
@@ -98,6 +99,12 @@ class Container:
     detail: dict[str, Any]
     constraints: list[str]  # issue 23
     topology: str | None  # issue 23: the weakest link joining its GPUs
+    #: the leaf account it is counted in (None: no accounts configured)
+    account: str | None
+    #: it borrows past a quota on its account's path: reclaim may stop it
+    over_quota: bool
+    #: the account reclaim stopped it for (it ended preempted, reason ``reclaimed``), else None
+    reclaimed_for_account: str | None
     raw: dict[str, Any] = field(repr=False, compare=False)
     _collection: ContainerCollection | None = field(default=None, repr=False, compare=False)
 
@@ -117,7 +124,8 @@ class Container:
             confirm_by=data.get("confirm_by"), preempted_for=data.get("preempted_for"),
             operation=data.get("operation"), detail=dict(data.get("detail") or {}),
             constraints=list(data.get("constraints") or []), topology=data.get("topology"),  # issue 23
-            raw=data, _collection=collection)
+            account=data.get("account"), over_quota=bool(data.get("over_quota")),
+            reclaimed_for_account=data.get("reclaimed_for_account"), raw=data, _collection=collection)
 
     def _through(self) -> ContainerCollection:
         if self._collection is None:
@@ -232,3 +240,31 @@ class WaitResult:
     def from_json(cls, data: dict[str, Any]) -> WaitResult:
         return cls(id=data["id"], state=data["state"], exit_code=data.get("exit_code"), reason=data.get("reason"),
                    ended=bool(data["ended"]))
+
+
+@dataclass(frozen=True)
+class Account:
+    """One account of ``GET /v1/accounts``: its settings and figures, in bytes × GPUs (``limit`` None: no cap)."""
+
+    name: str
+    parent: str | None
+    #: what it should hold now, and what it holds, asks for in all, and waits for
+    fair_share: int
+    allocated: int
+    requested: int
+    waiting: int
+    #: its settings (``accounts:`` in the manager's YAML)
+    quota: int
+    limit: int | None
+    over_quota_weight: float
+    priority: int
+    reclaim_min_runtime: float
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Account:
+        return cls(name=data["name"], parent=data.get("parent"), fair_share=data["fair_share"],
+                   allocated=data["allocated"], requested=data["requested"], waiting=data["waiting"],
+                   quota=data["quota"]["gpu_memory"], limit=(data.get("limit") or {}).get("gpu_memory"),
+                   over_quota_weight=data["over_quota_weight"], priority=data["priority"],
+                   reclaim_min_runtime=data["reclaim_min_runtime"], raw=data)

@@ -2,7 +2,8 @@
 
 A custom collector reads the map once per scrape, under its lock, as plain tuples (:meth:`Cluster.
 metrics_snapshot`), and builds the metric families after the lock is released, so a scrape of a large
-cluster never holds up a placement for longer than that copy. Each manager has its own registry
+cluster never holds up a placement for longer than that copy; the accounts' figures are read the same way,
+through :meth:`Cluster.accounts_view`, and only when accounts are configured. Each manager has its own registry
 (tests run many in one process); the request-duration histogram lives there too. The exposition is
 ``prometheus_client``'s own.
 """
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from gpumgr.manager.tenancy.tenants import OPERATOR
 
 if TYPE_CHECKING:
     from gpumgr.manager.model.cluster import Cluster
@@ -24,6 +27,13 @@ if TYPE_CHECKING:
 OUTCOMES = ("placed", "no_fit", "quota_exceeded", "failed")
 #: Buckets of ``gpumgr_request_duration_seconds``: a GET of the map is milliseconds, a create is a Docker start.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: The accounts' gauges: metric name → the account view's field and its help (bytes × GPUs, as the API gives).
+ACCOUNT_GAUGES = {
+    "gpumgr_account_fair_share_bytes": ("fair_share", "GPU memory (bytes x GPUs) the account should hold now: its "
+                                        "quota while it asks for it, and its part of what others leave idle"),
+    "gpumgr_account_allocated_bytes": ("allocated", "GPU memory (bytes x GPUs) the account's live containers hold"),
+    "gpumgr_account_requested_bytes": ("requested", "GPU memory (bytes x GPUs) the account holds and waits for"),
+}
 
 
 class MapCollector(Collector):
@@ -81,6 +91,18 @@ class MapCollector(Collector):
         for tenant, count in sorted(snap.queued.items()):
             queue.add_metric([tenant], count)
         yield from (total, used, reserved, unmanaged, free, healthy, grant, cused, up, kills, placements, queue)
+        yield from account_families(self.cluster.accounts_view(OPERATOR) or [])
+
+
+def account_families(accounts: list[dict[str, Any]]) -> Iterator[Metric]:
+    """The accounts' gauges, labelled ``account`` (its path); none at all without accounts configured."""
+    if not accounts:
+        return
+    for name, (field, text) in ACCOUNT_GAUGES.items():
+        family = GaugeMetricFamily(name, text, labels=["account"])
+        for account in accounts:
+            family.add_metric([account["name"]], account[field])
+        yield family
 
 
 class LinkCollector(Collector):

@@ -13,7 +13,7 @@ import sys
 from gpumgr.plugin.cli_base import EXIT_UNKNOWN as EXIT_UNKNOWN
 from gpumgr.plugin.cli_base import Manager as Manager
 from gpumgr.plugin.cli_base import PluginError as PluginError
-from gpumgr.plugin.cli_base import _print_table
+from gpumgr.plugin.cli_base import _print_table, _take_options
 from gpumgr.plugin.services import service
 from gpumgr.wire.units import format_bytes
 
@@ -69,6 +69,8 @@ def run(argv: list[str]) -> int:
             raise
     if command == "ps":
         return show_containers(client)
+    if command == "accounts":
+        return show_accounts(client, rest)
     if command == "service":
         return service(client, rest)
     if command == "stack":
@@ -107,6 +109,9 @@ Commands:
   rm [-f] CONTAINER...    remove (-f: even while running); its grant is freed
                           CONTAINER: an id, a name, or a prefix of an id that only it has
   ps                      containers known to the manager
+  accounts [--format table|json]
+                          each account's quota, limit, weight and priority, its fair share, and what it
+                          holds, requests and waits for (bytes x GPUs)
   stats [-a] [--no-stream] [--format table|json] [CONTAINER...]
                           GPU memory of live containers (-a: all), refreshed every second until Ctrl-C
                           like 'docker stats'; --format json prints one JSON array per line each second
@@ -159,6 +164,31 @@ def show_containers(client: Manager) -> int:
                      ",".join(str(g["index"]) for g in r["gpus"]) or "-", format_bytes(r["gpu_memory"]),
                      format_bytes(r["gpu_memory_used"]), format_bytes(r["gpu_memory_peak"]), state,
                      r["reason"] or ""))
+    _print_table(rows)
+    return 0
+
+
+def show_accounts(client: Manager, argv: list[str]) -> int:
+    """``docker gpu accounts [--format table|json]``: each account's fair share against what it holds."""
+    options, rest = _take_options(argv, {"--format": True})
+    form = options.get("--format", "table")
+    if rest or form not in ("table", "json"):
+        raise PluginError("usage: docker gpu accounts [--format table|json]")
+    accounts = client.call("GET", "/v1/accounts")["accounts"]
+    if form == "json":  # the API's objects as they are: a script reads [] when no accounts are configured
+        print(json.dumps(accounts))
+        return 0
+    if not accounts:
+        print("no accounts are configured (the manager's YAML has no accounts: section)")
+        return 0
+    rows = [("NAME", "PARENT", "QUOTA", "LIMIT", "WEIGHT", "PRIORITY", "FAIR SHARE", "ALLOCATED", "REQUESTED",
+             "WAITING")]
+    for a in accounts:
+        limit = a["limit"]["gpu_memory"]
+        rows.append((a["name"], a["parent"] or "-", format_bytes(a["quota"]["gpu_memory"]),
+                     "-" if limit is None else format_bytes(limit), f"{a['over_quota_weight']:g}", str(a["priority"]),
+                     format_bytes(a["fair_share"]), format_bytes(a["allocated"]), format_bytes(a["requested"]),
+                     format_bytes(a["waiting"])))
     _print_table(rows)
     return 0
 

@@ -96,6 +96,11 @@ class ContainerRecord(_Shape):
     queued_at: float | None = Field(description="when it joined the queue (Unix time); null if it never waited")
     queue: QueuePlace | None = Field(description="while queued: its place in line; null otherwise")
     preempted_for: str | None = Field(description="the queued request it was (or is being) preempted for")
+    account: str | None = Field(description="the leaf account it is counted in; null: no accounts configured")
+    over_quota: bool = Field(description="it borrows: granted past a quota on its account's path, so reclaim may "
+                             "stop it for an account below its fair share")
+    reclaimed_for_account: str | None = Field(description="the account reclaim stopped it for (it ends preempted, "
+                                              "reason reclaimed); null otherwise")
     desired_state: Literal["running", "removed", "preempted"] = Field(
         description="what the API or the manager's policy wants of it; the observed `state` follows")
     operation: Literal["create", "remove", "resize"] | None = Field(
@@ -236,6 +241,42 @@ class TenantList(_Shape):
     tenants: list[TenantView]
 
 
+class AccountQuota(_Shape):
+    """An account's guaranteed quota, in bytes × GPUs."""
+
+    gpu_memory: int
+
+
+class AccountLimit(_Shape):
+    """An account's cap on quota plus borrowing, in bytes × GPUs; null: no cap."""
+
+    gpu_memory: int | None
+
+
+class AccountView(_Shape):
+    """One account (``Cluster.accounts_view``); every figure in bytes × GPUs, summed over its children."""
+
+    name: str = Field(description="its path from the top, e.g. research/vision")
+    parent: str | None
+    quota: AccountQuota
+    limit: AccountLimit
+    over_quota_weight: float = Field(description="its part of the idle surplus, against its siblings'")
+    priority: int = Field(description="the surplus goes to siblings of higher priority first")
+    reclaim_min_runtime: float = Field(description="seconds a borrowing container runs before reclaim may stop it")
+    fair_share: int = Field(description="what it should hold now: its quota while it asks for it, and its part "
+                            "of what the others leave idle")
+    allocated: int = Field(description="what its live containers hold")
+    requested: int = Field(description="allocated plus waiting")
+    waiting: int = Field(description="what its queued requests wait for")
+
+
+class AccountList(_Shape):
+    """``GET /v1/accounts``: every account for the operator, a tenant's own and those above it for a tenant;
+    empty when no accounts are configured."""
+
+    accounts: list[AccountView]
+
+
 class WaitResult(_Shape):
     """``POST /v1/containers/{cid}/wait``: how it ended, or how it stands when the wait timed out."""
 
@@ -271,7 +312,7 @@ class Health(_Shape):
 
 
 RESPONSES: tuple[type[BaseModel], ...] = (Error, ContainerRecord, ContainerList, NodeList, NodeForgotten,
-                                          EventList, Health, TenantList, WaitResult, Signalled)
+                                          EventList, Health, TenantList, AccountList, WaitResult, Signalled)
 #: What each error status means here.
 ERRORS = {
     400: "the request is invalid; the message says which field and which bound",
@@ -279,8 +320,9 @@ ERRORS = {
     403: "over the tenant's quota (quota_exceeded), a priority above its ceiling, the operator's alone, or refused "
          "by the operator's policy (policy_denied, naming the rule)",
     404: "no such container or node (or another tenant's)",
-    409: "no GPU can hold the request (no_fit, never_fits), the queue is full, the node is up, a shrink "
-         "below usage without force (below_usage), a name or id prefix that several containers match, a "
+    409: "no GPU can hold the request (no_fit, never_fits), its account may not run it now and it does not wait "
+         "(over_quota), the queue is full, the node is up, a shrink below usage without force (below_usage), "
+         "a name or id prefix that several containers match, a "
          "container not running (conflict), or the request of this Idempotency-Key is still being carried out "
          "(in_progress, with Retry-After)",
     413: "the body is over 1 MiB",
@@ -406,6 +448,9 @@ def document() -> dict[str, Any]:
         "/v1/tenants": {"get": operation("Tenants: quotas, what each holds and has queued, GiB·hours since start",
                                          (200, TenantList, "the tenants the caller may see"), (),
                                          op_id="listTenants")},
+        "/v1/accounts": {"get": operation("Accounts: quotas, fair shares, what each holds and waits for",
+                                          (200, AccountList, "the accounts the caller may see (empty: none "
+                                           "configured)"), (), op_id="listAccounts")},
         "/v1/events": {"get": operation(
             "Recent events, oldest first", (200, EventList, "the events"), (400,),
             params=[query("since", "only events with a greater id (a non-negative int64)", pattern="^[0-9]{1,19}$"),

@@ -315,6 +315,15 @@ def list_tenants() -> Response:
     return jsonify({"tenants": manager().cluster.tenants_view(principal())})
 
 
+@bp.get("/accounts")
+def list_accounts() -> Response:
+    """Accounts with their fair shares and allocations; a tenant sees its own and those above it.
+
+    Without ``accounts:`` configured the list is empty (not a 404), so a client needs no special case.
+    """
+    return jsonify({"accounts": manager().cluster.accounts_view(principal()) or []})
+
+
 def _operator_only(what: str) -> None:
     if not principal().operator:
         raise Forbidden(f"only the operator may {what}")
