@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.procs import AgentProc, ManagerProc, wait_for
 
@@ -145,6 +146,7 @@ def test_dashboard_shows_the_map_live(manager, dash_agent, test_image, browser, 
     row = browser.find_element("css selector", f"tr[data-container='{first['id']}']").text
     assert "dash-first" in row and NODE in row and "4 GiB" in row, row
     assert "last seen" in browser.find_element("css selector", f"[data-node='{NODE}']").text
+    assert not shown(browser, "#accounts-section"), "no accounts are configured: no accounts panel"
     # its usage (3.8 of 4 GiB, sampled by the agent) earns the near-grant mark
     wait_dom(browser, "return document.querySelector(`tr[data-container=\"${arguments[0]}\"] [data-mark=\"near\"]`);",
              first["id"], what="the near-grant mark")
@@ -217,6 +219,43 @@ def test_dashboard_shows_the_map_live(manager, dash_agent, test_image, browser, 
     assert not severe(browser), "console errors on the dashboard at phone width"
     assert (tmp_path / "dashboard.png").stat().st_size > 0 and (tmp_path / "dashboard-phone.png").stat().st_size > 0
     print(f"dashboard: second container shown {appeared:.2f}s after its 201; screenshots in {tmp_path}")
+
+
+def test_dashboard_shows_each_accounts_allocation_against_its_fair_share(tmp_path, browser):
+    """With accounts configured, a row per account: its quota, fair share and allocation, and a bar of the one
+    against the other (the operator's requests are counted in ``default``; host processes, no containers)."""
+    config = tmp_path / "manager.yaml"
+    config.write_text(yaml.safe_dump({"accounts": {
+        "default": {"quota": {"gpu_memory": "8GiB"}},
+        "research": {"quota": {"gpu_memory": "8GiB"}, "over_quota_weight": 3},
+        "prod": {"quota": {"gpu_memory": "4GiB"}}}}))
+    manager = ManagerProc(tmp_path, "--config", str(config))
+    agent = AgentProc(tmp_path, manager, "dash-accounts", gpus="sim:2x24GiB", runtime="process")
+    try:
+        made = manager.post("/v1/containers", json={"gpu_memory": "4GiB", "command": ["sleep", "300"]})
+        assert made.status_code == 201 and made.json()["account"] == "default", made.text
+        browser.get(manager.url + "/")
+        rows = wait_dom(browser, """
+            const rows = [...document.querySelectorAll('#accounts-body tr[data-account]')];
+            return rows.length === 3 && rows.some(r => r.querySelector('[data-allocated]').dataset.allocated !== '0')
+              && rows.map(r => [r.dataset.account, [...r.cells].map(c => c.innerText),
+                                r.querySelector('.seg.grant').offsetWidth, r.querySelector('.share-bar').offsetWidth]);
+        """, what="a row per account, default's allocation shown")
+        assert shown(browser, "#accounts-section")
+        by_name = {name: (cells, fill, width) for name, cells, fill, width in rows}
+        assert list(by_name) == ["default", "prod", "research"]
+        # default asks for 4 GiB and gets it as its fair share; the others ask for nothing, so their share is 0
+        cells, fill, width = by_name["default"]
+        assert [cells[i] for i in (0, 1, 2, 3, 5)] == ["default", "8 GiB", "4 GiB", "4 GiB", "0 B"], cells
+        assert fill > 0 and abs(fill - width) <= 2, "allocated equals the fair share: the bar is full"
+        cells, fill, _ = by_name["research"]
+        assert [cells[i] for i in (1, 2, 3)] == ["8 GiB", "0 B", "0 B"] and fill == 0, cells
+        assert not severe(browser), "console errors on the accounts panel"
+        browser.save_screenshot(str(tmp_path / "dashboard-accounts.png"))
+        manager.delete(f"/v1/containers/{made.json()['id']}")
+    finally:
+        agent.stop()
+        manager.stop()
 
 
 # --- the token -----------------------------------------------------------------------------------

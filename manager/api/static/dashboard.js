@@ -1,5 +1,5 @@
-// gpumgr dashboard: polls the REST API once a second and draws the map, the containers, the queue
-// and recent events. Plain DOM, no framework, nothing fetched but this manager's own API.
+// gpumgr dashboard: polls the REST API once a second and draws the map, the accounts, the containers,
+// the queue and recent events. Plain DOM, no framework, nothing fetched but this manager's own API.
 // API data (names come from users) only ever goes through textContent or attributes, never HTML.
 "use strict";
 
@@ -17,6 +17,7 @@
     nodesByName: new Map(), // the map as held: the whole of one answer, then the changes of each next one
     nodesVersion: "", // the map's version of the last answer: the next asks only for what changed since (issue 20)
     containers: [],
+    accounts: [], // empty: no accounts configured, and the panel stays hidden
     events: [],
     lastEventId: 0,
     polls: 0,
@@ -176,12 +177,14 @@
       // the nodes first: without a (valid) token one 401 is enough to ask for it
       const changes = state.nodesVersion ? "?since=" + encodeURIComponent(state.nodesVersion) : "";
       const nodes = await api("/v1/nodes" + changes); // issue 20
-      const [containers, events] = await Promise.all([
+      const [containers, events, accounts] = await Promise.all([
         api("/v1/containers"),
         api("/v1/events?since=" + encodeURIComponent(since)),
+        api("/v1/accounts"),
       ]);
       mergeNodes(nodes); // issue 20
       state.containers = Array.isArray(containers.containers) ? containers.containers : [];
+      state.accounts = Array.isArray(accounts.accounts) ? accounts.accounts : [];
       mergeEvents(Array.isArray(events.events) ? events.events : [], resync);
       state.lastOk = Date.now() / 1000;
       hideLogin();
@@ -229,12 +232,14 @@
 
   // ---- rendering --------------------------------------------------------------------------------
   function render() {
-    const signature = JSON.stringify([state.nodes, state.containers, state.events.length && state.lastEventId]);
+    const signature = JSON.stringify([state.nodes, state.containers, state.accounts,
+      state.events.length && state.lastEventId]);
     if (signature !== state.signature) {
       state.signature = signature;
       const byId = new Map(state.containers.map((c) => [c.id, c]));
       renderSummary();
       renderNodes(byId);
+      renderAccounts();
       renderContainers();
       renderQueue();
       renderEvents(byId);
@@ -336,6 +341,30 @@
   // usage on one GPU: the API sums it over a container's GPUs, so a multi-GPU one is shown evenly split
   function perGpuUse(c) {
     return (c.gpu_memory_used || 0) / Math.max(1, c.gpu_count || 1);
+  }
+
+  // each account's allocation against its fair share (bytes × GPUs): the bar fills to what it holds,
+  // red past its share, and the line marks the share; the scale is the larger of the two and its request
+  function renderAccounts() {
+    const rows = state.accounts.map((a) => {
+      const fair = a.fair_share || 0;
+      const held = a.allocated || 0;
+      const scale = Math.max(fair, held, a.requested || 0);
+      const bar = el("div", { class: "bar share-bar", role: "img", "aria-label": "allocated against fair share" },
+        el("div", { class: "seg grant" + (held > fair ? " over" : ""), style: { width: pct(held, scale) + "%" } }),
+        el("div", { class: "fair-mark", style: { left: pct(fair, scale) + "%" } }));
+      return el("tr", { "data-account": a.name, title: (a.parent ? "in " + a.parent + ", " : "") + "weight " +
+        a.over_quota_weight + ", priority " + a.priority },
+        el("td", { class: "name", text: a.name }),
+        el("td", { class: "num", text: bytes(a.quota && a.quota.gpu_memory) }),
+        el("td", { class: "num", "data-fair-share": fair, text: bytes(fair) }),
+        el("td", { class: "num", "data-allocated": held, text: bytes(held) }),
+        el("td", {}, bar),
+        el("td", { class: "num", text: bytes(a.waiting || 0) }));
+    });
+    $("accounts-body").replaceChildren(...rows);
+    $("accounts-section").hidden = rows.length === 0;
+    $("accounts-count").textContent = rows.length ? "(" + rows.length + ")" : "";
   }
 
   function renderContainers() {
@@ -457,6 +486,7 @@
       state.nodesByName = new Map();
       state.nodesVersion = ""; // issue 20
       state.containers = [];
+      state.accounts = [];
       state.events = [];
       state.lastEventId = 0;
       render();
