@@ -73,14 +73,18 @@ class Accounts:
                     and record.id not in self.chosen:
                 self.chosen[record.id] = self.clock.mono - record.granted_mono
 
-    def answer(self, commands: list[Command]) -> None:
+    def answer(self, commands: list[Command | None]) -> None:
         for command in commands:
+            if command is None:
+                continue
             record = command.record
             if command.kind is OpKind.CREATE:
                 report = ContainerReport(grant=record.id, container_id=f"c-{record.id}", gpus=record.gpus,
                                          gpu_memory=record.gpu_memory, state="running")
                 self.cluster.settle(command, Reply(ok=True, result=report.model_dump()), None)
                 self.placed_ids.append(record.id)
+            elif command.kind is OpKind.RESIZE:
+                self.cluster.settle(command, Reply(ok=True), None)
             elif command.kind is OpKind.REMOVE:
                 self.cluster.settle(command, Reply(ok=True), None)
                 if record.state is State.PREEMPTED:

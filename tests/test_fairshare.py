@@ -329,3 +329,22 @@ def test_the_docs_worked_example() -> None:
     fair = shares_of(accounts, asked, 1280 * gib)
     assert {k: round(v / gib) for k, v in fair.items() if k != DEFAULT} == {
         "research": 640, "prod": 640, "research/vision": 360, "research/nlp": 280}
+
+
+def test_a_resize_past_the_quota_borrows_only_if_preemptible_and_never_past_a_limit() -> None:
+    gib = 1 << 30
+    accounts = {"a": {"quota": {"gpu_memory": 2 * gib}, "limit": {"gpu_memory": 3 * gib}}}
+    sim = Accounts(accounts, nodes=1, gpus=1, gpu_memory=8 * gib)
+    (steady,) = sim.ask("a", 1, gib, preemptible=False, queue=False)
+    (loose,) = sim.ask("a", 1, gib // 2, queue=False)
+    with pytest.raises(Conflict) as refused:
+        sim.cluster.begin_resize(steady.id, 2 * gib)  # a would hold 2.5 GiB of its 2: not preemptible
+    assert refused.value.code == "over_quota" and "quota" in str(refused.value)
+    sim.answer([sim.cluster.begin_resize(loose.id, gib)[1]])  # 2 GiB: within the quota
+    assert not loose.over_quota
+    sim.answer([sim.cluster.begin_resize(loose.id, gib + gib // 2)[1]])  # 2.5 GiB: the growth borrows
+    assert loose.over_quota
+    with pytest.raises(Conflict) as limited:
+        sim.cluster.begin_resize(loose.id, 3 * gib)  # 4 GiB: past the limit of 3
+    assert limited.value.code == "over_quota" and "limit" in str(limited.value)
+    sim.check()

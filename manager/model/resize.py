@@ -52,6 +52,7 @@ class Resizer:
             return None
         if delta > 0:
             self.life.quotas.check(tenant, delta * record.count, 0)
+            borrows = self._account_room(record, delta)
             short = self.ledger.room_for(record, max(0, memory - record.held))
             if short is not None:
                 raise NoFit(f"GPU {short.uuid} has {format_bytes(short.free)} free; growing the grant from "
@@ -65,10 +66,24 @@ class Resizer:
                                f"node then acts on the overrun: {record.on_overrun})", code="below_usage")
         op = self.life.begin(record, OpKind.RESIZE, self.timeout, old=old, new=memory)
         assert op is not None
+        if delta > 0 and borrows:
+            record.over_quota = True  # grown past its account's quota: the growth borrows, and reclaim may stop it
         self.life.quotas.resized(record, delta)
         record.gpu_memory = memory
         self.ledger.rehold(record, max(record.held, memory))  # a grow is held now; a shrink once enforced
         return Command(OpKind.RESIZE, record, op)
+
+    def _account_room(self, record: Container, delta: int) -> bool:
+        """With accounts: whether growing ``record`` by ``delta`` per GPU borrows; 409 ``over_quota`` if it may not."""
+        quotas = self.life.quotas
+        if record.account is None or quotas.accounts is None:
+            return False
+        verdict = quotas.room(record.account, delta * record.count)
+        if verdict == "limit" or (verdict == "over_quota" and not record.preemptible):
+            raise Conflict(f"growing it would take account {record.account} past "
+                           + ("a limit on its path" if verdict == "limit" else "its quota, and it is not preemptible"),
+                           code="over_quota")
+        return verdict == "over_quota"
 
     def settle(self, record: Container, op: Op, ok: bool, error: GpumgrError | None, definitive: bool) -> None:
         """Its node answered ``op`` (``ok``, or a definitive refusal), or never did (not ``definitive``)."""
