@@ -348,3 +348,24 @@ def test_a_resize_past_the_quota_borrows_only_if_preemptible_and_never_past_a_li
         sim.cluster.begin_resize(loose.id, 3 * gib)  # 4 GiB: past the limit of 3
     assert limited.value.code == "over_quota" and "limit" in str(limited.value)
     sim.check()
+
+
+def test_a_restarted_manager_counts_its_journaled_queue_and_adopted_containers_in_their_accounts(tmp_path) -> None:
+    from gpumgr.manager.model.queue import QueueJournal
+
+    sim = Accounts(SMALL, nodes=1, gpus=2, gpu_memory=G)
+    sim.cluster.journal = sim.cluster.life.journal = QueueJournal(tmp_path)
+    running = sim.ask("a", 2)  # two GPUs, within a's quota
+    (waiting,) = sim.ask("b", 1)
+    assert waiting.state is State.QUEUED
+    again = Accounts(SMALL, nodes=0, gpus=2, gpu_memory=G)
+    again.cluster.journal = again.cluster.life.journal = QueueJournal(tmp_path)
+    assert again.cluster.restore_queue(again.cluster.journal.load()) == 1
+    reports = [ContainerReport(grant=r.id, container_id=f"c-{r.id}", gpus=r.gpus, gpu_memory=r.gpu_memory,
+                               state="running", tenant="a") for r in running]
+    again.cluster.register("n0", b"n0", "docker", [GpuInfo(uuid=f"n0-g{i}", index=i, name="Sim", memory_total=G)
+                                                   for i in range(2)], reports)
+    view = again.view()
+    assert view["a"]["allocated"] == 2 * G and view["b"]["waiting"] == G
+    assert again.cluster.get(waiting.id).account == "b"
+    again.check()
