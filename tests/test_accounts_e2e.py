@@ -7,6 +7,7 @@ the Docker engine on simulated GPUs, real containers stopped by reclaim, and the
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -86,3 +87,25 @@ def test_a_burst_fills_the_cluster_and_the_second_account_reclaims_exactly_its_f
     assert len(reclaimed) == 3
     print(f"prod reached its fair share {took:.1f}s after asking (reclaim_min_runtime {MIN_RUNTIME}s)")
     settles(manager, docker_client, {"share-0", "share-1"})
+
+
+def test_sighup_reloads_the_accounts_and_a_tree_that_cannot_be_applied_keeps_them(cluster, tmp_path) -> None:
+    manager = cluster
+    operator = Client(manager, OPERATOR)
+    config = tmp_path / "manager.yaml"
+    settings = yaml.safe_load(config.read_text())
+    settings["accounts"]["prod"]["over_quota_weight"] = 5
+    config.write_text(yaml.safe_dump(settings))
+    manager.popen.send_signal(signal.SIGHUP)
+
+    def weight() -> float:
+        return next(a for a in operator.call("GET", "/v1/accounts").json()["accounts"]
+                    if a["name"] == "prod")["over_quota_weight"]
+
+    wait_for(lambda: weight() == 5, 10, what="the new weight")
+    digest = manager.get("/healthz").json().get("tenants_digest")
+    settings["tenants"]["bob"]["account"] = "nowhere"
+    config.write_text(yaml.safe_dump(settings))
+    manager.popen.send_signal(signal.SIGHUP)
+    wait_for(lambda: "nowhere" in manager.output(), 10, what="the refusal logged")
+    assert weight() == 5 and manager.get("/healthz").json().get("tenants_digest") == digest
