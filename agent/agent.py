@@ -66,8 +66,9 @@ class Agent:
     def __init__(self, node: str, endpoint: str, source: GpuSource, runtime: Runtime, identity: Identity, *,
                  heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL,
                  enforcement: EnforcerSettings | None = DEFAULT_ENFORCEMENT, hook_socket: str | None = None,
-                 join_timeout: float = defaults.JOIN_TIMEOUT, labels: dict[str, str] | None = None) -> None:
-        self.node = node
+                 join_timeout: float = defaults.JOIN_TIMEOUT, labels: dict[str, str] | None = None,
+                 advertise_addr: str = "") -> None:
+        self.node, self.advertise_addr = node, advertise_addr  # where other hosts reach it (gangs)
         #: the node's labels from its operator, sent with each registration
         self.labels = dict(labels or {})
         self.endpoint = endpoint
@@ -326,7 +327,7 @@ class Agent:
                                     containers=[m.report() for m in managed], refused=refused,
                                     instance=self.instance, version=__version__, labels=self.labels,
                                     epoch=None if self.fence.highest is None else self.fence.highest.to_wire(),
-                                    fence_unwritable=self.fence.unwritable())
+                                    fence_unwritable=self.fence.unwritable(), advertise_addr=self.advertise_addr)
         try:
             protocol.encode(message)
         except ProtocolError:  # long commands or labels: the grants matter, those do not

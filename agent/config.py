@@ -35,6 +35,8 @@ class AgentSettings(Settings):
                  Annotated[str, Field(max_length=1024)]] = Field(default_factory=dict,
                                                                   max_length=defaults.MAX_NODE_LABELS)
     runtime: Literal["auto", "docker", "process"] = "auto"
+    #: where other hosts reach this node (a gang's rendezvous); None: the local address towards the manager
+    advertise_addr: str | None = Field(None, max_length=253, pattern=r"^[0-9A-Za-z.:_\[\]-]*$")
     heartbeat_interval: float = Field(defaults.HEARTBEAT_INTERVAL, gt=0)
     network_mode: str | None = None
     #: this node's own ceiling on what any request may ask for, the operator's included (None: the manager's)

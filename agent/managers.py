@@ -118,3 +118,30 @@ class ManagerSet:
         """The current manager answered: it is the one to stay with."""
         with self._lock:
             self._unanswered = 0
+
+
+def local_address(endpoints: str) -> str:
+    """This host's address on the way to the first manager of ``endpoints`` ("" if it cannot be told).
+
+    What a gang's members on other hosts reach this node at, unless the agent's ``advertise_addr`` says. A
+    UDP socket's ``connect`` only asks the kernel for a route: no packet is sent.
+    """
+    import socket
+
+    try:
+        first = parse_managers(endpoints)[0]
+    except (ValueError, IndexError):
+        return ""
+    if first.startswith("ipc://"):
+        return "127.0.0.1"
+    parts = urlsplit(first)
+    host = (parts.hostname or "").strip("[]")
+    if host in ("", "*", "0.0.0.0"):
+        return "127.0.0.1"
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, parts.port or 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return ""

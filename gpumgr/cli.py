@@ -383,6 +383,7 @@ def build_agent(settings: AgentSettings) -> Any:
     from gpumgr.agent.agent import Agent, build_runtime
     from gpumgr.agent.gpus.select import open_source
     from gpumgr.agent.identity import load_identity
+    from gpumgr.agent.managers import local_address
     from gpumgr.agent.runtimes.hook_limits import HookLimits
 
     procmap.set_root(settings.proc_root)
@@ -400,7 +401,7 @@ def build_agent(settings: AgentSettings) -> Any:
     agent = Agent(settings.node, settings.manager, source, runtime, identity,
                   heartbeat_interval=settings.heartbeat_interval, enforcement=settings.enforcement(),
                   hook_socket=hook or None, join_timeout=settings.join_timeout,
-                  labels=settings.labels)  # issue 23
+                  labels=settings.labels, advertise_addr=settings.advertise_addr or local_address(settings.manager))
     holder.append(agent)
     return agent
 

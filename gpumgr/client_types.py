@@ -105,6 +105,9 @@ class Container:
     over_quota: bool
     #: the account reclaim stopped it for (it ended preempted, reason ``reclaimed``), else None
     reclaimed_for_account: str | None
+    #: the gang it is a member of, and its rank there (None: a container on its own)
+    gang: str | None
+    rank: int | None
     raw: dict[str, Any] = field(repr=False, compare=False)
     _collection: ContainerCollection | None = field(default=None, repr=False, compare=False)
 
@@ -125,7 +128,8 @@ class Container:
             operation=data.get("operation"), detail=dict(data.get("detail") or {}),
             constraints=list(data.get("constraints") or []), topology=data.get("topology"),  # issue 23
             account=data.get("account"), over_quota=bool(data.get("over_quota")),
-            reclaimed_for_account=data.get("reclaimed_for_account"), raw=data, _collection=collection)
+            reclaimed_for_account=data.get("reclaimed_for_account"), gang=data.get("gang"), rank=data.get("rank"),
+            raw=data, _collection=collection)
 
     def _through(self) -> ContainerCollection:
         if self._collection is None:

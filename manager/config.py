@@ -39,6 +39,12 @@ class ManagerSettings(Settings):
     #: what tenants may ask for beyond their containers (a tenant's own ``policy`` replaces it)
     policy: Policy = Field(default_factory=Policy)
     queue_aging: float = Field(defaults.QUEUE_AGING, gt=0)
+    #: the ports a gang's master listens on, ``LOW-HIGH``, taken per host
+    gang_ports: str = Field(f"{defaults.GANG_PORTS[0]}-{defaults.GANG_PORTS[1]}", pattern=r"^[0-9]{1,5}-[0-9]{1,5}$")
+    #: once one member exits 0 the others have this long to exit 0 too
+    gang_exit_grace: float = Field(defaults.GANG_EXIT_GRACE, gt=0)
+    #: a member whose node is down is waited for this long before its gang ends (paused by the zone rule)
+    gang_grace: float = Field(defaults.GANG_GRACE, gt=0)
     log_level: str = "INFO"
     #: several managers on etcd: ``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]``, ``etcds://`` for TLS
     store: str | None = None

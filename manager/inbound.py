@@ -163,7 +163,8 @@ class Inbound:
             with self.cluster.lock:  # marked unusable before any placement can see it ready
                 orphans, commands, restarted = self.cluster.register(
                     message.node, peer.routing_id, message.runtime, message.gpus, message.containers, key=peer.key,
-                    instance=message.instance, labels=message.labels)  # issue 23
+                    instance=message.instance, labels=message.labels,  # issue 23
+                    advertise_addr=message.advertise_addr)
                 self._note_fence(message.node, message.fence_unwritable)
         except GpumgrError as exc:
             log.warning("refused the registration of node %s: %s", message.node, exc.message)

@@ -29,6 +29,7 @@ from gpumgr.manager.link.admission import Admission
 from gpumgr.manager.link.link import ManagerLink
 from gpumgr.manager.metrics import Metrics
 from gpumgr.manager.model.cluster import Cluster
+from gpumgr.manager.model.gangs import GangSpec
 from gpumgr.manager.model.records import Command, OpKind, PlacementSpec
 from gpumgr.manager.tenancy.accounts import AccountTree, build_accounts
 from gpumgr.manager.tenancy.policy import run_fields
@@ -75,6 +76,9 @@ class Manager:
         self.cluster.tenants = self.tenants
         self.cluster.accounts = accounts_of(settings)
         self.cluster.reconciler.disruption_threshold = settings.disruption_threshold
+        low, _, high = settings.gang_ports.partition("-")
+        self.cluster.gangs.port_range = (int(low), int(high))
+        self.cluster.gangs.exit_grace, self.cluster.gangs.node_grace = settings.gang_exit_grace, settings.gang_grace
         self.cluster.set_timeouts(settings.create_timeout, settings.remove_timeout)
         self.metrics = Metrics(self.cluster)
         if not shared:  # several managers: the leader loads the queue and intents when elected
@@ -192,6 +196,40 @@ class Manager:
                 raise unknown(command.op.error)
         return self.cluster.view(record)
 
+    def create_gang(self, spec: GangSpec, *, queue: bool = False, queue_timeout: float | None = None,
+                    tenant: Tenant | None = None) -> tuple[dict[str, Any], int]:
+        """Place every member of a gang at once and have their nodes start them: ``(gang, 201)`` once all run.
+
+        With ``queue`` a gang that does not fit now waits whole: ``(gang, 202)``. If one member's create fails,
+        the others are removed and the call answers that failure as a single container's would.
+        """
+        self.leading.check()
+        gang, commands = self.cluster.submit_gang(spec, queue=queue, queue_timeout=queue_timeout, tenant=tenant)
+        if not commands:
+            return self.cluster.gang_views(OPERATOR, gang.id)[0], 202
+        self.send(commands)
+        for command in commands:
+            command.op.wait(self.settings.create_timeout + defaults.CREATE_MARGIN)
+        failed = next((c for c in commands if c.record.state is State.FAILED or c.record.state is State.CREATING),
+                      None)
+        if failed is not None:
+            if failed.record.state is State.CREATING:  # unanswered: the gang cannot wait on it
+                self.remove_gang(gang.id)
+            self.cluster.wake.set()  # the others' removals go out with the next dispatch
+            error = failed.op.error
+            raise unknown(error) if error is not None else \
+                OutcomeUnknown(f"node {failed.record.node} did not confirm member {failed.record.rank} in time")
+        return self.cluster.gang_views(OPERATOR, gang.id)[0], 201
+
+    def remove_gang(self, gid: str) -> dict[str, Any]:
+        """End a gang: every member is stopped and removed (a waiting gang is withdrawn)."""
+        self.leading.check()
+        gang, commands = self.cluster.remove_gang(gid)
+        self.send(commands)
+        if commands:
+            self._wait(commands, self.settings.remove_timeout)
+        return self.cluster.gang_views(OPERATOR, gang.id)[0]
+
     def remove(self, cid: str) -> tuple[dict[str, Any], int]:
         """Stop and remove ``cid`` on its node and free its grant: ``(record, 200)``.
 
@@ -199,6 +237,10 @@ class Manager:
         is still being created) the request is kept and carried out as soon as it can be: ``(record, 202)``.
         """
         self.leading.check()
+        gang = self.cluster.get(cid).gang
+        if gang is not None:  # a member's DELETE ends its whole gang
+            self.remove_gang(gang)
+            return self.cluster.view(self.cluster.get(cid)), 200
         intent = self.cluster.removal_intent(cid)
         if intent is not None:  # written ahead: a restart or a new leader carries it out; a failure changes nothing
             self.write_intents({cid: intent})

@@ -181,3 +181,14 @@ LOGS_LINES = MAX_ITEMS // 2
 LOGS_POLL = 0.25
 #: Longest single ``POST /v1/containers/{id}/wait``; a client waiting longer asks again.
 WAIT_MAX = 600.0
+
+# --- gangs ---------------------------------------------------------------------------------------
+#: The ports a gang's master (rank 0) listens on, taken per host, lowest free first (torchrun's 29500 first).
+GANG_PORTS = (29500, 29999)
+#: Once one member of a gang exits 0, the others have this long to exit 0 too, or the gang fails.
+GANG_EXIT_GRACE = 60.0
+#: A gang member whose node is down is waited for this long before the gang ends (KAI's staleness grace).
+GANG_GRACE = 60.0
+#: A gang has at least this many members, and at most the larger.
+GANG_MIN_REPLICAS = 2
+GANG_MAX_REPLICAS = 256

@@ -182,6 +182,8 @@ class Register(Message):
     epoch: tuple[_EpochPart, _EpochPart] | None = None
     #: why its fence file cannot be written ("": it can); the manager places nothing there meanwhile
     fence_unwritable: str = Field(default="", max_length=512)
+    #: where other hosts reach this node (a gang's rendezvous on its rank 0's node); "": not said
+    advertise_addr: str = Field(default="", max_length=253, pattern=r"^[0-9A-Za-z.:_\[\]-]*$")
 
 
 class Registered(Message):

@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import HTTPException
 
 from gpumgr.manager import forward
-from gpumgr.manager.api import containers_io, dashboard, openapi
+from gpumgr.manager.api import containers_io, dashboard, gangs, openapi
 from gpumgr.manager.api import routes as api
 from gpumgr.manager.api.idempotent import Idempotency
 from gpumgr.manager.api.nodes_cache import NodesCache
@@ -34,6 +34,7 @@ def create_app(manager: Manager, test_config: dict[str, Any] | None = None) -> F
     app.extensions["gpumgr.idempotency"] = Idempotency(manager)
     app.register_blueprint(api.bp)
     app.register_blueprint(containers_io.bp)
+    app.register_blueprint(gangs.bp)
     app.register_blueprint(dashboard.bp)
     app.add_url_rule("/healthz", "healthz", lambda: healthz(manager))
     app.add_url_rule("/openapi.json", "openapi", lambda: jsonify(openapi.document()))

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
+from gpumgr.manager.api import gangs
 from gpumgr.manager.api import routes as api
 from gpumgr.manager.api.containers_io import MULTIPLEXED
 from gpumgr.manager.control.idempotency import HEADER, KEY_PATTERN, MAX_KEY
@@ -101,6 +102,8 @@ class ContainerRecord(_Shape):
                              "stop it for an account below its fair share")
     reclaimed_for_account: str | None = Field(description="the account reclaim stopped it for (it ends preempted, "
                                               "reason reclaimed); null otherwise")
+    gang: str | None = Field(description="the gang it is a member of (null: on its own)")
+    rank: int | None = Field(description="its rank in its gang, from 0")
     desired_state: Literal["running", "removed", "preempted"] = Field(
         description="what the API or the manager's policy wants of it; the observed `state` follows")
     operation: Literal["create", "remove", "resize"] | None = Field(
@@ -312,14 +315,15 @@ class Health(_Shape):
 
 
 RESPONSES: tuple[type[BaseModel], ...] = (Error, ContainerRecord, ContainerList, NodeList, NodeForgotten,
-                                          EventList, Health, TenantList, AccountList, WaitResult, Signalled)
+                                          EventList, Health, TenantList, AccountList, WaitResult, Signalled,
+                                          gangs.GangView, gangs.GangList)
 #: What each error status means here.
 ERRORS = {
     400: "the request is invalid; the message says which field and which bound",
     401: "no or a wrong bearer token (only when the manager has a token)",
     403: "over the tenant's quota (quota_exceeded), a priority above its ceiling, the operator's alone, or refused "
          "by the operator's policy (policy_denied, naming the rule)",
-    404: "no such container or node (or another tenant's)",
+    404: "no such container, gang or node (or another tenant's)",
     409: "no GPU can hold the request (no_fit, never_fits), its account may not run it now and it does not wait "
          "(over_quota), the queue is full, the node is up, a shrink below usage without force (below_usage), "
          "a name or id prefix that several containers match, a "
@@ -340,7 +344,8 @@ ERRORS = {
 def document() -> dict[str, Any]:
     """The whole document, built once."""
     pairs: list[tuple[type[BaseModel], JsonSchemaMode]] = [(api.CreateContainer, "validation"),
-                                                           (api.ResizeContainer, "validation")]
+                                                           (api.ResizeContainer, "validation"),
+                                                           (gangs.CreateGang, "validation")]
     pairs += [(model, "serialization") for model in RESPONSES]
     refs, top = models_json_schema(pairs, ref_template="#/components/schemas/{model}")
     ref = {model: refs[(model, mode)] for model, mode in pairs}
@@ -456,6 +461,7 @@ def document() -> dict[str, Any]:
             params=[query("since", "only events with a greater id (a non-negative int64)", pattern="^[0-9]{1,19}$"),
                     query("type", "only events of these types (a comma list)", maxLength=api.MAX_TYPES_QUERY)],
             op_id="listEvents")},
+        **gangs.document_paths(operation, path),
     }
     # OpenAPI links: what a record's id leads to, so a client (and schemathesis's stateful phase) can
     # chain a create to the calls on the container it made

@@ -31,7 +31,7 @@ from gpumgr.manager.leading import NotKnownYet
 from gpumgr.manager.model.records import Container, PlacementSpec
 from gpumgr.manager.service import Manager
 from gpumgr.manager.tenancy.policy import admit
-from gpumgr.manager.tenancy.tenants import OPERATOR, TENANT_NAME, Principal
+from gpumgr.manager.tenancy.tenants import OPERATOR, TENANT_NAME, Principal, Tenant
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.constraints import MAX_CONSTRAINT_CHARS, MAX_CONSTRAINTS, parse_all
 from gpumgr.wire.errors import Forbidden, InvalidRequest, NotFound, ProtocolError
@@ -209,6 +209,12 @@ def create_container() -> tuple[Response, int]:
 
 def _creation(body: CreateContainer) -> Callable[[], tuple[dict[str, Any], int]]:
     """Check ``body`` against tenants, policy and the wire's bounds (4xx), and return the create to run."""
+    spec, tenant = placement_of(body)
+    return lambda: manager().create(spec, queue=body.queue, queue_timeout=body.queue_timeout, tenant=tenant)
+
+
+def placement_of(body: CreateContainer) -> tuple[PlacementSpec, Tenant | None]:
+    """``body`` checked against tenants, policy and the wire's bounds (4xx): what to place, and for which tenant."""
     tenant = manager().acting_as(principal(), body.tenant)
     ceiling = tenant.priority if tenant is not None else None
     priority = body.priority if body.priority is not None else (ceiling or 0)
@@ -229,7 +235,7 @@ def _creation(body: CreateContainer) -> Callable[[], tuple[dict[str, Any], int]]
         on_overrun=body.on_overrun or settings.on_overrun, priority=priority, preemptible=body.preemptible,
         run=run.given(), constraints=body.constraints,
     )
-    return lambda: manager().create(spec, queue=body.queue, queue_timeout=body.queue_timeout, tenant=tenant)
+    return spec, tenant
 
 
 @bp.get("/containers")

@@ -17,6 +17,7 @@ from typing import Any
 from gpumgr.manager.clock import SYSTEM, Clock
 from gpumgr.manager.events import EventLog
 from gpumgr.manager.model.dispatch import Dispatch, request_for, take_slots
+from gpumgr.manager.model.gangs import Gang, Gangs, GangSpec
 from gpumgr.manager.model.ledger import Ledger
 from gpumgr.manager.model.lifecycle import ENDED, Lifecycle
 from gpumgr.manager.model.queue import QueueJournal, WaitQueue
@@ -29,7 +30,7 @@ from gpumgr.manager.model.terms import Terms
 from gpumgr.manager.model.views import MapReads
 from gpumgr.manager.placing.scheduler import place
 from gpumgr.manager.tenancy.accounts import AccountTree
-from gpumgr.manager.tenancy.tenants import Tenant, TenantBook
+from gpumgr.manager.tenancy.tenants import Principal, Tenant, TenantBook
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import (
     Conflict,
@@ -40,7 +41,7 @@ from gpumgr.wire.errors import (
     QuotaExceeded,
     StoreUnavailable,
 )
-from gpumgr.wire.names import CREATING, QUEUED, EventType, State
+from gpumgr.wire.names import CREATING, LIVE, QUEUED, EventType, State
 from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuSample, RefusedAdoption
 from gpumgr.wire.units import format_bytes
 
@@ -87,6 +88,8 @@ class Cluster(Terms, MapReads):
         self.resizer = Resizer(self.life, self.dispatcher, defaults.REMOVE_TIMEOUT)
         self.replies = Replies(self.life, self.dispatcher, self.resizer, self.reconciler)
         self.dispatcher.fair.paused = lambda: self.reconciler.disrupted  # the zone rule pauses reclaim
+        self.gangs = Gangs(self.life, self.reconciler.follow_up, lambda: self.new_id(), lambda: self.create_timeout,
+                           lambda: self.reconciler.disrupted)
         #: a node answered a command (``reply``), or did not (``error``): the follow-up commands (under the lock)
         self.settle: Callable[..., list[Command]] = self.replies.answer
         self.queue_max = defaults.QUEUE_MAX
@@ -145,11 +148,12 @@ class Cluster(Terms, MapReads):
     # --- nodes ---------------------------------------------------------------------------------
     def register(self, name: str, routing_id: bytes, runtime: str, gpus: list[GpuInfo],
                  containers: list[ContainerReport], *, key: str = "", instance: str = "",
-                 labels: dict[str, str] | None = None) -> tuple[list[str], list[Command], bool]:
+                 labels: dict[str, str] | None = None,
+                 advertise_addr: str = "") -> tuple[list[str], list[Command], bool]:
         """A node registers: ``(orphan grants to remove there, commands, whether its agent restarted)``."""
         with self.lock:
             return self.reconciler.register(name, routing_id, runtime, gpus, containers, key=key, instance=instance,
-                                            labels=labels)
+                                            labels=labels, advertise_addr=advertise_addr)
 
     def heartbeat(self, name: str, routing_id: bytes, samples: list[GpuSample],
                   containers: list[ContainerStatus]) -> tuple[list[str], list[Command]] | None:
@@ -355,9 +359,36 @@ class Cluster(Terms, MapReads):
             commands, self._to_send = self._to_send, []
             placed, self._hooks_placed = [r for r in self._hooks_placed if r.state is State.CREATING], []
             commands += [c for r in self._victims() if (c := self.reconciler.follow_up(r)) is not None]
+            commands += self.gangs.dispatch()
             if self.journal.needs_compaction(len(self.queue)):
                 self.journal.rewrite([self.life.journal_entry(self.ledger.records[c]) for c in self.queue.ids()])
         return commands, placed
+
+    # --- gangs ---------------------------------------------------------------------------------
+    def submit_gang(self, spec: GangSpec, *, tenant: Tenant | None = None, queue: bool = False,
+                    queue_timeout: float | None = None) -> tuple[Gang, list[Command]]:
+        """Place every member of a gang now (their creates to send), or with ``queue`` let it wait whole."""
+        with self.lock:
+            try:
+                return self.gangs.submit(spec, tenant=tenant, queue=queue, queue_timeout=queue_timeout)
+            except NoFit:
+                self.life.outcome("no_fit")
+                raise
+
+    def remove_gang(self, gid: str) -> tuple[Gang, list[Command]]:
+        """End gang ``gid`` (withdraw it if it waits): its members' removals to send now."""
+        with self.lock:
+            gang = self.gangs.remove(gid)
+            commands = [c for m in gang.members if (r := self.ledger.records.get(m)) is not None
+                        and r.state in LIVE and (c := self.reconciler.follow_up(r)) is not None]
+            return gang, commands
+
+    def gang_views(self, principal: Principal, gid: str | None = None) -> list[dict[str, Any]]:
+        """Every gang the caller may see (or only ``gid``: NotFound if it may not), as the API shows them."""
+        with self.lock:
+            if gid is not None:
+                return [self.gangs.view(self.gangs.get(gid, principal))]
+            return [self.gangs.view(g) for g in self.gangs.gangs.values() if principal.sees(g.tenant)]
 
     def _placed_by_walk(self, placed: list[Container]) -> None:
         """Records a walk placed for others: their creates begin now (under the lock) and are sent by the dispatcher."""

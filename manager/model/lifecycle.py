@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -90,6 +91,8 @@ class Lifecycle:
         self.outcomes: dict[str, int] = {}
         #: desired states decided and not carried out yet, as the store keeps them (:mod:`gpumgr.manager.model.intents`)
         self.intents = Intents()
+        #: a gang's member ended (:mod:`gpumgr.manager.model.gangs` sets it): called after its end is recorded
+        self.member_ended: Callable[[Container], None] | None = None
 
     def clear(self) -> None:
         """Forget what belongs to the records (the map starts from nothing); counters and op ids go on."""
@@ -211,6 +214,8 @@ class Lifecycle:
                                     record.reason))
         self.ledger.ended(record)
         self._final_event(record)
+        if record.gang is not None and self.member_ended is not None:
+            self.member_ended(record)  # its gang ends, or waits for the others (manager/model/gangs.py)
         return True
 
     def desire(self, record: Container, desired: State, reason: str | None = None, **detail: Any) -> bool:

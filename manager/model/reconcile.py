@@ -50,7 +50,8 @@ class Reconciler:
     # --- nodes ---------------------------------------------------------------------------------
     def register(self, name: str, routing_id: bytes, runtime: str, gpus: list[GpuInfo],
                  containers: list[ContainerReport], *, key: str = "", instance: str = "",
-                 labels: dict[str, str] | None = None) -> tuple[list[str], list[Command], bool]:
+                 labels: dict[str, str] | None = None,
+                 advertise_addr: str = "") -> tuple[list[str], list[Command], bool]:
         """Add or refresh a node and adopt its containers: ``(orphans to remove, commands, restarted)``.
 
         Raises GpuConflict, changing nothing, if another live node holds one of the GPUs. A
@@ -67,7 +68,7 @@ class Reconciler:
         was = {g.uuid: g.health for g in old.gpus} if old is not None else {}
         node = Node(name, routing_id, runtime, [self.ledger.gpu_for(name, info) for info in gpus], key=key,
                     instance=instance, last_seen=self.clock.time(), last_seen_mono=self.clock.monotonic(),
-                    labels=dict(labels or {}))
+                    labels=dict(labels or {}), advertise_addr=advertise_addr)
         self.ledger.set_node(node)
         self.ledger.set_ready(node, True)
         if not quiet:

@@ -47,6 +47,8 @@ class Node:
     labels: dict[str, str] = field(default_factory=dict)
     #: why nothing is placed here though it is up ("": it takes grants): its agent cannot write its fence file
     unusable: str = ""
+    #: where other hosts reach it, as its agent says ("": not said): a gang's rendezvous on its rank 0
+    advertise_addr: str = ""
 
 
 class OpKind(StrEnum):
@@ -174,6 +176,9 @@ class Container:
     over_quota: bool = False
     #: when it was granted (monotonic): reclaim leaves it alone for its account's ``reclaim_min_runtime``
     granted_mono: float = 0.0
+    #: the gang it is a member of, and its rank there (counted from 0); None: a container on its own
+    gang: str | None = None
+    rank: int | None = None
 
     @property
     def count(self) -> int:

@@ -31,6 +31,9 @@ class Resizer:
         The quota is checked first (403), then room (409). Shrinking below what the container uses now
         is refused unless ``force``. None when nothing needs telling (a queued request, or a no-op).
         """
+        if record.gang is not None:
+            raise Conflict(f"container {record.id} is member {record.rank} of gang {record.gang}: a gang's members "
+                           "keep the grant the gang asked for")
         old = record.gpu_memory
         delta = memory - old
         if record.state is State.QUEUED:

@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 from gpumgr.manager.model.dispatch import Dispatch
+from gpumgr.manager.model.gangs import Gangs
 from gpumgr.manager.model.intents import KEPT
 from gpumgr.manager.model.ledger import Ledger, Wake
 from gpumgr.manager.model.lifecycle import Lifecycle
@@ -35,6 +36,7 @@ class Terms:
     queue: WaitQueue
     dispatcher: Dispatch
     reconciler: Reconciler
+    gangs: Gangs
     _to_send: list[Command]
     _hooks_placed: list[Container]
 
@@ -63,6 +65,7 @@ class Terms:
             self.dispatcher.making_room.clear()
             self.dispatcher.refused.clear()
             self.reconciler.clear()
+            self.gangs.clear()
             self._to_send, self._hooks_placed = [], []
         self.wake.set()
         return len(waiting)

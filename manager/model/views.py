@@ -77,6 +77,8 @@ def container_view(record: Container, gpus: dict[str, dict[str, Any]] | None = N
         # the leaf account it is counted in (null: no accounts configured), and whether it borrows
         "account": record.account, "over_quota": record.over_quota,
         "reclaimed_for_account": record.detail.get("reclaimed_for_account"),
+        # the gang it is a member of, and its rank there (null: a container on its own)
+        "gang": record.gang, "rank": record.rank,
         "desired_state": str(record.desired), "operation": str(record.op.kind) if record.op is not None else None,
         # what the map reserves per GPU now: more than gpu_memory while its node still enforces more
         "gpu_memory_held": record.held,

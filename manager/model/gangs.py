@@ -1,0 +1,360 @@
+"""Gangs: one job of several members placed all or none, handed its rendezvous, and ended as one.
+
+A gang is ``replicas`` members, each an ordinary record (``gang``, ``rank``) asking for ``count`` GPUs of
+``gpu_memory`` each. :meth:`Gangs.submit` places every member in one decision under the map's lock
+(:func:`~gpumgr.manager.placing.gang.plan_gang`), or none: a gang that does not fit now is ``409 no_fit``,
+or waits whole with ``queue`` (it holds nothing while it waits; each dispatch tries it again, and smaller
+requests may take room it cannot use yet). A gang no nodes on the map could ever hold is ``never_fits``.
+
+Every member's environment gets ``GPUMGR_GANG``, ``GPUMGR_GANG_RANK`` (from 0), ``GPUMGR_GANG_SIZE``
+and torchrun's own ``PET_NNODES``, ``PET_NODE_RANK``, ``PET_NPROC_PER_NODE`` (its GPUs),
+``PET_MASTER_ADDR``, ``PET_MASTER_PORT`` and ``PET_RDZV_ID``: the master is rank 0's node at the address
+its agent advertises, on a port taken from ``gang_ports`` for that host (on an overlay network named in
+the request, rank 0's container name); with host networking ``NCCL_SOCKET_IFNAME`` leaves out ``docker``
+and ``lo``. Its gang id, rank, size, restarts and rendezvous id are in its labels too.
+
+**How a gang ends** (:meth:`Gangs.member_ended`, called by the lifecycle's one transition function):
+when every member exits 0 within ``gang_exit_grace`` of the first, the gang ends ``exited`` 0; the first
+other end (a non-zero exit, a kill, an overrun, a failed create, a removal) ends the gang with that
+member's state and reason, and the others are stopped. A member whose node is down is waited for
+``gang_grace`` seconds (paused while the zone rule holds). With ``restart: gang`` a gang that failed is
+placed again, whole and fresh, up to ``max_restarts`` (a failed create does not count and does not
+restart), with the same ``PET_RDZV_ID``. Called under the ledger's lock.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gpumgr.manager.model.dispatch import constraints_of, request_for, take_slots
+from gpumgr.manager.model.lifecycle import Lifecycle
+from gpumgr.manager.model.records import Command, Container, OpKind, PlacementSpec
+from gpumgr.manager.placing.gang import could_ever_fit, plan_gang
+from gpumgr.manager.tenancy.tenants import Principal, Tenant
+from gpumgr.wire import defaults
+from gpumgr.wire.errors import Conflict, NoAgents, NoFit, NotFound
+from gpumgr.wire.names import LIVE, EventType, State
+from gpumgr.wire.units import format_bytes
+
+#: Environment names a gang's request may not set: gpumgr sets them.
+RESERVED_ENV = ("GPUMGR_GANG", "PET_")
+#: A gang's states: as a record's, plus ``restarting`` while a failed gang's members stop before it is placed again.
+GANG_ENDED = frozenset({"exited", "failed", "killed", "removed", "expired", "preempted"})
+LABEL = "gpumgr.gang"
+
+
+@dataclass(frozen=True)
+class GangSpec:
+    """A validated ``POST /v1/gangs``: the member's spec and the gang's own settings."""
+
+    member: PlacementSpec
+    replicas: int
+    one_per_node: bool = True
+    restart: str = "never"
+    max_restarts: int = 0
+    #: an attachable network the members share: the master is rank 0's container name on it
+    network: str | None = None
+
+
+@dataclass
+class Gang:
+    """One gang: its members (record ids, rank order) and how it stands."""
+
+    id: str
+    spec: GangSpec
+    tenant: str | None
+    created_at: float
+    rdzv_id: str
+    state: str = "queued"
+    members: list[str] = field(default_factory=list)
+    reason: str | None = None
+    exit_code: int | None = None
+    finished_at: float | None = None
+    restart_count: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    #: the host whose port it holds (released when it ends)
+    port_host: str | None = None
+    queued_at: float | None = None
+    expires_mono: float | None = None
+    #: when its first member exited 0 (monotonic), for ``gang_exit_grace``
+    first_exit_mono: float | None = None
+    #: when a member's node was first seen down (monotonic), for ``gang_grace``
+    node_down_mono: float | None = None
+    #: a failure to be followed by a restart once every member has stopped
+    restart_pending: bool = False
+
+
+def gang_env(gang: Gang, rank: int, gpus: int, host_network: bool) -> dict[str, str]:
+    """What member ``rank`` of ``gang`` finds in its environment: who it is and where its peers meet."""
+    env = {"GPUMGR_GANG": gang.id, "GPUMGR_GANG_RANK": str(rank), "GPUMGR_GANG_SIZE": str(gang.spec.replicas),
+           "PET_NNODES": str(gang.spec.replicas), "PET_NODE_RANK": str(rank), "PET_NPROC_PER_NODE": str(gpus),
+           "PET_MASTER_ADDR": gang.master_addr or "", "PET_MASTER_PORT": str(gang.master_port or ""),
+           "PET_RDZV_ID": gang.rdzv_id}
+    if host_network:
+        env["NCCL_SOCKET_IFNAME"] = "^docker,lo"
+    return env
+
+
+class Gangs:
+    """Every gang on the map; see the module docstring."""
+
+    def __init__(self, life: Lifecycle, follow_up: Callable[[Container], Command | None],
+                 new_id: Callable[[], str], create_timeout: Callable[[], float],
+                 disrupted: Callable[[], bool]) -> None:
+        self.life, self.ledger = life, life.ledger
+        self.follow_up, self.new_id, self.create_timeout, self.disrupted = follow_up, new_id, create_timeout, disrupted
+        self.gangs: dict[str, Gang] = {}
+        #: gangs waiting for room, first come first
+        self.waiting: list[str] = []
+        #: ports in use per host: a gang's master port is unique on its host
+        self.ports: dict[str, set[int]] = {}
+        self.port_range = defaults.GANG_PORTS
+        self.exit_grace = defaults.GANG_EXIT_GRACE
+        self.node_grace = defaults.GANG_GRACE
+        life.member_ended = self.member_ended
+
+    def clear(self) -> None:
+        """Forget every gang (the map starts from nothing)."""
+        self.gangs, self.waiting, self.ports = {}, [], {}
+
+    # --- placing ---------------------------------------------------------------------------------
+    def submit(self, spec: GangSpec, *, tenant: Tenant | None, queue: bool,
+               queue_timeout: float | None) -> tuple[Gang, list[Command]]:
+        """Place every member now (``creating``, their creates to send), or with ``queue`` wait whole."""
+        member = spec.member
+        total = member.memory * member.count * spec.replicas
+        if tenant is not None:
+            self.life.quotas.check(tenant, total, spec.replicas)
+        self._check_could_fit(spec)
+        cid = self.new_id()
+        gang = Gang(cid, spec, tenant.name if tenant is not None else member.tenant, self.life.clock.time(),
+                    rdzv_id=os.urandom(8).hex())
+        try:
+            plan = plan_gang(self.ledger.index, request_for(member, member.memory), spec.replicas, spec.one_per_node)
+        except (NoFit, NoAgents) as exc:
+            if not queue:
+                raise NoFit(f"{exc.message}; send \"queue\": true to wait for room") from None
+            self.gangs[gang.id] = gang
+            gang.queued_at = gang.created_at
+            if queue_timeout is not None:
+                gang.expires_mono = self.life.clock.monotonic() + queue_timeout
+            self.waiting.append(gang.id)
+            self.life.events.record(EventType.QUEUED, f"gang {gang.id} of {spec.replicas} waits for room for every "
+                                    f"member at once: {exc.message}", gang=gang.id)
+            return gang, []
+        self.gangs[gang.id] = gang
+        return gang, self._start(gang, plan)
+
+    def _check_could_fit(self, spec: GangSpec) -> None:
+        member = spec.member
+        if not self.ledger.nodes:
+            return
+        allowed = constraints_of(member).allows if member.constraints else None
+        sizes = {name: [g.total - g.headroom for g in node.gpus if allowed is None or allowed(g)]
+                 for name, node in self.ledger.nodes.items() if member.node is None or name == member.node}
+        if not could_ever_fit(sizes, member.memory, member.count, spec.replicas, spec.one_per_node):
+            per = "its own node each" if spec.one_per_node else "nodes it may share"
+            raise NoFit(f"no gang of {spec.replicas} members of {member.count} GPU(s) × {format_bytes(member.memory)} "
+                        f"on {per} could ever be placed whole on the nodes on the map; nothing was queued",
+                        code="never_fits")
+
+    def _start(self, gang: Gang, plan: list[list[Any]]) -> list[Command]:
+        """Grant ``plan`` to fresh members of ``gang``: their records join the map ``creating``."""
+        spec, member = gang.spec, gang.spec.member
+        first = self.ledger.nodes.get(plan[0][0].node)
+        gang.port_host = (first.advertise_addr if first is not None else "") or "127.0.0.1"
+        gang.master_port = self._take_port(gang.port_host)
+        base = member.name or f"gpumgr-gang-{gang.id}"
+        names = [f"{base}-{rank}" + (f"-r{gang.restart_count}" if gang.restart_count else "")
+                 for rank in range(spec.replicas)]
+        gang.master_addr = names[0] if spec.network else gang.port_host
+        host_network = member.run.get("network") == "host"
+        commands, gang.members = [], []
+        accounts = self.life.quotas.accounts
+        for rank, slots in enumerate(plan):
+            labels = {**member.labels, LABEL: gang.id, f"{LABEL}.rank": str(rank),
+                      f"{LABEL}.size": str(spec.replicas), f"{LABEL}.restarts": str(gang.restart_count),
+                      f"{LABEL}.rdzv": gang.rdzv_id}
+            env = {**member.env, **gang_env(gang, rank, member.count, host_network)}
+            record = Container(id=self.new_id(), name=names[rank], node="", gpus=[], gpu_memory=member.memory,
+                               spec=replace(member, env=env, labels=labels, name=names[rank]),
+                               created_at=self.life.clock.time(), tenant=gang.tenant, priority=member.priority,
+                               preemptible=member.preemptible, gang=gang.id, rank=rank)
+            if accounts is not None:
+                record.account = accounts.account_of(record.tenant)
+            take_slots(record, slots)
+            self.life.place_new(record, self.create_timeout())
+            assert record.op is not None
+            commands.append(Command(OpKind.CREATE, record, record.op))
+            gang.members.append(record.id)
+        gang.state, gang.first_exit_mono, gang.node_down_mono = "creating", None, None
+        self.life.outcome("placed")
+        self.life.events.record(EventType.PLACED, f"gang {gang.id}: {spec.replicas} members placed at once on "
+                                f"{', '.join(sorted({s[0].node for s in plan}))}; master {gang.master_addr}:"
+                                f"{gang.master_port}", gang=gang.id)
+        return commands
+
+    def _take_port(self, host: str) -> int:
+        used = self.ports.setdefault(host, set())
+        low, high = self.port_range
+        for port in range(low, high + 1):
+            if port not in used:
+                used.add(port)
+                return port
+        raise Conflict(f"every port of gang_ports {low}-{high} on host {host} is taken by a gang; try again when "
+                       "one ends", code="no_fit")
+
+    def _release_port(self, gang: Gang) -> None:
+        if gang.port_host is not None and gang.master_port is not None:
+            self.ports.get(gang.port_host, set()).discard(gang.master_port)
+        gang.port_host = None
+
+    # --- ending ----------------------------------------------------------------------------------
+    def member_ended(self, record: Container) -> None:
+        """``record``, a member, reached its end: the gang ends, waits for the others, or stops them."""
+        gang = self.gangs.get(record.gang or "")
+        if gang is None or record.id not in gang.members:
+            return
+        members = [self.ledger.records.get(m) for m in gang.members]
+        if gang.state in GANG_ENDED or gang.state == "restarting":
+            self._maybe_done(gang, members)
+            return
+        if record.state is State.EXITED and record.exit_code == 0 and record.desired is State.RUNNING:
+            if gang.first_exit_mono is None:
+                gang.first_exit_mono = self.life.clock.monotonic()
+            if all(m is not None and m.state is State.EXITED and m.exit_code == 0 for m in members):
+                self._end(gang, "exited", "every member exited 0", 0)
+            return
+        state = {State.EXITED: "failed", State.KILLED: "killed", State.PREEMPTED: "preempted",
+                 State.REMOVED: "removed"}.get(record.state, "failed")
+        reason = f"member {record.rank} ({record.id}) {record.state}: {record.reason}"
+        restart = state != "removed" and not (record.detail.get("create_failed") or self._create_failed(record))
+        self._end(gang, state, reason, record.exit_code, restart=restart)
+
+    def _create_failed(self, record: Container) -> bool:
+        return record.state is State.FAILED and record.container_id is None
+
+    def _end(self, gang: Gang, state: str, reason: str, exit_code: int | None = None, *,
+             restart: bool = False) -> None:
+        """End ``gang`` (or mark it for a restart) and stop its members that still run."""
+        again = restart and gang.spec.restart == "gang" and gang.restart_count < gang.spec.max_restarts
+        gang.reason, gang.exit_code = reason, exit_code
+        gang.state, gang.restart_pending = ("restarting", True) if again else (state, False)
+        if not again:
+            gang.finished_at = self.life.clock.time()
+        for cid in gang.members:
+            member = self.ledger.records.get(cid)
+            if member is not None and member.state in LIVE:
+                self.life.desire(member, State.REMOVED, f"its gang {gang.id} ended: {reason}")
+        self.life.events.record(EventType.FAILED if state != "exited" else EventType.EXITED,
+                                f"gang {gang.id} " + (f"restarts ({gang.restart_count + 1} of "
+                                                      f"{gang.spec.max_restarts}): " if again else f"{state}: ")
+                                + reason, gang=gang.id)
+        self._maybe_done(gang, [self.ledger.records.get(m) for m in gang.members])
+        self.ledger.wake.set()
+
+    def _maybe_done(self, gang: Gang, members: list[Container | None]) -> None:
+        """Once no member is live: release its port, and a gang to restart waits to be placed again whole."""
+        if any(m is not None and m.state in LIVE for m in members):
+            return
+        self._release_port(gang)
+        if gang.restart_pending:
+            gang.restart_pending = False
+            gang.restart_count += 1
+            gang.state, gang.members = "queued", []
+            self.waiting.append(gang.id)
+
+    def remove(self, gid: str) -> Gang:
+        """``DELETE``: a waiting gang is withdrawn; a placed one ends ``removed`` and its members are stopped."""
+        gang = self.gangs.get(gid)
+        if gang is None:
+            raise NotFound(f"no gang {gid!r}")
+        if gang.state in GANG_ENDED:
+            return gang
+        if gang.state == "queued":
+            self.waiting.remove(gang.id)
+            gang.state, gang.reason, gang.finished_at = "removed", "withdrawn before it was placed", \
+                self.life.clock.time()
+            return gang
+        self._end(gang, "removed", "removed on request")
+        return gang
+
+    # --- each dispatch ---------------------------------------------------------------------------
+    def dispatch(self) -> list[Command]:
+        """Grace timers, stops of ended gangs' members, and waiting gangs placed whole: the commands to send."""
+        now = self.life.clock.monotonic()
+        commands: list[Command] = []
+        for gang in [g for g in self.gangs.values() if g.state in ("creating", "running")]:
+            self._tick(gang, now)
+        for gang in self.gangs.values():
+            for cid in gang.members:
+                member = self.ledger.records.get(cid)
+                if member is not None and member.desired is State.REMOVED and member.state in LIVE:
+                    follow = self.follow_up(member)
+                    if follow is not None:
+                        commands.append(follow)
+        for gid in list(self.waiting):
+            gang = self.gangs[gid]
+            if gang.expires_mono is not None and now >= gang.expires_mono:
+                self.waiting.remove(gid)
+                gang.state, gang.reason, gang.finished_at = "expired", "its queue_timeout ran out", \
+                    self.life.clock.time()
+                continue
+            wanted = gang.spec.member
+            try:
+                plan = plan_gang(self.ledger.index, request_for(wanted, wanted.memory), gang.spec.replicas,
+                                 gang.spec.one_per_node)
+            except (NoFit, NoAgents):
+                continue
+            self.waiting.remove(gid)
+            commands += self._start(gang, plan)
+        return commands
+
+    def _tick(self, gang: Gang, now: float) -> None:
+        members = [m for cid in gang.members if (m := self.ledger.records.get(cid)) is not None]
+        self._started(gang)
+        if gang.first_exit_mono is not None and now - gang.first_exit_mono > self.exit_grace:
+            late = [str(m.rank) for m in members if m.state in LIVE]
+            self._end(gang, "failed", f"member(s) {', '.join(late)} did not exit within gang_exit_grace "
+                      f"({self.exit_grace:g}s) of the first", restart=True)
+            return
+        down = [m for m in members if m.state in LIVE and (n := self.ledger.nodes.get(m.node)) is not None
+                and not n.ready]
+        if not down or self.disrupted():
+            gang.node_down_mono = None if not down else gang.node_down_mono
+            return
+        gang.node_down_mono = gang.node_down_mono or now
+        if now - gang.node_down_mono > self.node_grace:
+            self._end(gang, "failed", f"member {down[0].rank}'s node {down[0].node} was down for over gang_grace "
+                      f"({self.node_grace:g}s)", restart=True)
+
+    def _started(self, gang: Gang) -> None:
+        """A gang ``creating`` is ``running`` once every member runs."""
+        if gang.state == "creating" and all((m := self.ledger.records.get(cid)) is not None
+                                            and m.state is State.RUNNING for cid in gang.members):
+            gang.state = "running"
+
+    # --- reads -----------------------------------------------------------------------------------
+    def get(self, gid: str, principal: Principal) -> Gang:
+        gang = self.gangs.get(gid)
+        if gang is None or not principal.sees(gang.tenant):
+            raise NotFound(f"no gang {gid!r}")
+        return gang
+
+    def view(self, gang: Gang) -> dict[str, Any]:
+        """A gang as the REST API shows it."""
+        self._started(gang)
+        spec, member = gang.spec, gang.spec.member
+        return {"id": gang.id, "state": gang.state, "reason": gang.reason, "exit_code": gang.exit_code,
+                "tenant": gang.tenant, "replicas": spec.replicas, "gpus": member.count,
+                "gpu_memory": member.memory, "one_per_node": spec.one_per_node, "restart": spec.restart,
+                "max_restarts": spec.max_restarts, "restart_count": gang.restart_count,
+                "members": list(gang.members), "master_addr": gang.master_addr, "master_port": gang.master_port,
+                "rdzv_id": gang.rdzv_id, "image": member.image, "created_at": gang.created_at,
+                "finished_at": gang.finished_at, "queued_at": gang.queued_at,
+                "queue": {"position": self.waiting.index(gang.id) + 1} if gang.id in self.waiting else None}
+

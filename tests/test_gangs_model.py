@@ -1,0 +1,203 @@
+"""Gangs on the cluster map (issue 35): all or none, the rendezvous handed to each member, waiting whole and
+holding nothing, and how a gang ends (every member exits 0, or the first failure stops the others)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from gpumgr.manager.model.cluster import Cluster
+from gpumgr.manager.model.gangs import GangSpec
+from gpumgr.manager.model.records import Command, OpKind, PlacementSpec
+from gpumgr.manager.tenancy.tenants import OPERATOR
+from gpumgr.wire.errors import NoFit
+from gpumgr.wire.names import LIVE, State
+from gpumgr.wire.protocol import ContainerReport, GpuInfo, Reply
+from tests.invariant import model_violations
+from tests.lifecycle_model import LogicalClock
+
+G = 8 << 30
+
+
+def member(memory: int = G, count: int = 1, **kw: object) -> PlacementSpec:
+    return PlacementSpec(memory=memory, count=count, placement="spread", image="img", command=["train"], **kw)
+
+
+class Map:
+    """A cluster map of single-GPU nodes that answer every command at once."""
+
+    def __init__(self, nodes: int = 4) -> None:
+        self.clock = LogicalClock()
+        self.cluster = Cluster(clock=self.clock)
+        for n in range(nodes):
+            self.cluster.register(f"n{n}", f"n{n}".encode(), "docker",
+                                  [GpuInfo(uuid=f"n{n}-g0", index=0, name="Sim", memory_total=G)], [],
+                                  advertise_addr=f"10.0.0.{n + 1}")
+
+    def answer(self, commands: list[Command]) -> None:
+        for command in commands:
+            record = command.record
+            if command.kind is OpKind.CREATE:
+                report = ContainerReport(grant=record.id, container_id=f"c-{record.id}", gpus=record.gpus,
+                                         gpu_memory=record.gpu_memory, state="running")
+                self.cluster.settle(command, Reply(ok=True, result=report.model_dump()), None)
+            else:
+                self.cluster.settle(command, Reply(ok=True), None)
+
+    def gang(self, replicas: int = 4, **kw: object) -> tuple[str, list[Command]]:
+        queue = bool(kw.pop("queue", False))
+        gang, commands = self.cluster.submit_gang(GangSpec(member(), replicas, **kw), queue=queue)  # type: ignore[arg-type]
+        return gang.id, commands
+
+    def view(self, gid: str) -> dict:
+        return self.cluster.gang_views(OPERATOR, gid)[0]
+
+    def dispatch(self, seconds: float = 1.0) -> None:
+        self.clock.advance(seconds)
+        commands, _ = self.cluster.dispatch()
+        self.answer(commands)
+
+    def check(self) -> None:
+        assert model_violations(SimpleNamespace(cluster=self.cluster)) == []
+        for gang in self.cluster.gangs.gangs.values():  # no gang is partly placed
+            live = [m for m in gang.members if self.cluster.get(m).state in LIVE]
+            assert len(live) in (0, gang.spec.replicas) or gang.state in ("restarting", "failed", "killed",
+                                                                          "removed", "exited", "preempted")
+
+
+def test_a_gang_is_placed_whole_one_member_per_node_with_its_rendezvous() -> None:
+    world = Map()
+    gid, commands = world.gang(4)
+    assert len(commands) == 4
+    world.answer(commands)
+    world.dispatch()
+    view = world.view(gid)
+    assert view["state"] == "running" and len(view["members"]) == 4
+    records = [world.cluster.get(m) for m in view["members"]]
+    assert sorted(r.node for r in records) == ["n0", "n1", "n2", "n3"]
+    master = records[0]
+    for rank, record in enumerate(records):
+        env = record.env
+        assert (record.gang, record.rank) == (gid, rank)
+        assert env["GPUMGR_GANG"] == gid and env["GPUMGR_GANG_RANK"] == str(rank) and env["GPUMGR_GANG_SIZE"] == "4"
+        assert env["PET_NNODES"] == "4" and env["PET_NODE_RANK"] == str(rank) and env["PET_NPROC_PER_NODE"] == "1"
+        assert env["PET_MASTER_ADDR"] == f"10.0.0.{int(master.node[1:]) + 1}" and env["PET_MASTER_PORT"] == "29500"
+        assert env["PET_RDZV_ID"] == view["rdzv_id"]
+        assert record.labels["gpumgr.gang"] == gid and record.labels["gpumgr.gang.rank"] == str(rank)
+    world.check()
+
+
+def test_five_members_on_four_nodes_never_fit_and_a_busy_node_is_no_fit_now() -> None:
+    world = Map()
+    with pytest.raises(NoFit) as never:
+        world.gang(5)
+    assert never.value.code == "never_fits"
+    _, create = world.cluster.submit(member())
+    world.answer(create)
+    with pytest.raises(NoFit) as now:
+        world.gang(4)
+    assert now.value.code == "no_fit"
+    assert world.cluster.gang_views(OPERATOR) == []  # nothing was kept
+    world.check()
+
+
+def test_a_waiting_gang_holds_nothing_and_starts_whole_once_room_frees() -> None:
+    world = Map()
+    busy, create = world.cluster.submit(member())
+    world.answer(create)
+    gid, commands = world.gang(4, queue=True)
+    assert commands == [] and world.view(gid)["state"] == "queued" and world.view(gid)["queue"] == {"position": 1}
+    reserved = sum(g.reserved for n in world.cluster.ledger.nodes.values() for g in n.gpus)
+    assert reserved == G  # only the busy container's grant: the gang holds nothing
+    world.dispatch()
+    assert world.view(gid)["state"] == "queued"
+    world.cluster.finish(busy.id, State.EXITED, exit_code=0)
+    world.dispatch()
+    world.dispatch()
+    assert world.view(gid)["state"] == "running" and len(world.view(gid)["members"]) == 4
+    world.check()
+
+
+def test_two_gangs_at_once_run_one_after_the_other_never_both_partly() -> None:
+    world = Map()
+    first, commands = world.gang(3, queue=True)
+    world.answer(commands)
+    second, commands = world.gang(3, queue=True)
+    assert commands == [] and world.view(second)["state"] == "queued"
+    world.dispatch()
+    world.check()
+    for cid in world.view(first)["members"]:
+        world.cluster.finish(cid, State.EXITED, exit_code=0)
+    assert world.view(first)["state"] == "exited" and world.view(first)["exit_code"] == 0
+    world.dispatch()
+    world.dispatch()
+    assert world.view(second)["state"] == "running"
+    world.check()
+
+
+def test_the_first_failure_ends_the_gang_and_stops_the_others() -> None:
+    world = Map()
+    gid, commands = world.gang(4)
+    world.answer(commands)
+    members = world.view(gid)["members"]
+    world.cluster.finish(members[2], State.KILLED, reason="killed by a signal", exit_code=137)
+    view = world.view(gid)
+    assert view["state"] == "killed" and "member 2" in view["reason"]
+    world.dispatch()  # the others' removals go out and are answered
+    assert [world.cluster.get(m).state for m in members] == [State.REMOVED, State.REMOVED, State.KILLED,
+                                                             State.REMOVED]
+    assert all(world.cluster.get(m).reason and gid in (world.cluster.get(m).reason or "")
+               for m in members if m != members[2])
+    world.check()
+
+
+def test_every_member_exiting_0_within_the_grace_ends_the_gang_exited_and_a_late_one_fails_it() -> None:
+    world = Map()
+    gid, commands = world.gang(2)
+    world.answer(commands)
+    for cid in world.view(gid)["members"]:
+        world.cluster.finish(cid, State.EXITED, exit_code=0)
+    assert world.view(gid)["state"] == "exited"
+    late, commands = world.gang(2)
+    world.answer(commands)
+    world.cluster.finish(world.view(late)["members"][0], State.EXITED, exit_code=0)
+    world.dispatch(world.cluster.gangs.exit_grace + 1)
+    assert world.view(late)["state"] == "failed" and "gang_exit_grace" in world.view(late)["reason"]
+    world.dispatch()
+    world.check()
+
+
+def test_restart_gang_places_it_again_whole_with_the_same_rendezvous_id() -> None:
+    world = Map()
+    gid, commands = world.gang(2, restart="gang", max_restarts=1)
+    world.answer(commands)
+    first = world.view(gid)
+    world.cluster.finish(first["members"][0], State.EXITED, exit_code=3)
+    assert world.view(gid)["state"] == "restarting"
+    world.dispatch()  # the other member is stopped
+    world.dispatch()  # then the gang is placed again, whole and fresh
+    again = world.view(gid)
+    assert again["state"] == "running" and again["restart_count"] == 1
+    assert again["rdzv_id"] == first["rdzv_id"] and set(again["members"]).isdisjoint(first["members"])
+    assert world.cluster.get(again["members"][0]).env["PET_RDZV_ID"] == first["rdzv_id"]
+    world.cluster.finish(again["members"][1], State.EXITED, exit_code=1)  # the restarts are spent
+    world.dispatch()
+    assert world.view(gid)["state"] == "failed"
+    world.check()
+
+
+def test_delete_ends_the_gang_and_withdraws_a_waiting_one() -> None:
+    world = Map()
+    gid, commands = world.gang(2)
+    world.answer(commands)
+    gang, removals = world.cluster.remove_gang(gid)
+    world.answer(removals)
+    assert gang.state == "removed" and all(world.cluster.get(m).state is State.REMOVED for m in gang.members)
+    busy = [world.cluster.submit(member())[1] for _ in range(4)]
+    for create in busy:
+        world.answer(create)
+    waiting, _ = world.gang(2, queue=True)
+    gang, removals = world.cluster.remove_gang(waiting)
+    assert gang.state == "removed" and removals == [] and world.cluster.gangs.waiting == []
+    world.check()
