@@ -11,7 +11,8 @@ import shutil
 import tarfile
 
 IMAGE = "gpumgr-test/busybox:latest"
-BUSYBOX_APPLETS = ("sh", "sleep", "echo", "cat", "env", "true", "false", "kill", "ls", "rm", "dd", "seq")
+BUSYBOX_APPLETS = ("sh", "sleep", "echo", "cat", "env", "true", "false", "kill", "ls", "rm", "dd", "seq",
+                   "nc", "timeout", "grep")
 
 
 def busybox_tar(busybox: str | None = None) -> bytes:
