@@ -45,6 +45,8 @@ class ManagerSettings(Settings):
     gang_exit_grace: float = Field(defaults.GANG_EXIT_GRACE, gt=0)
     #: a member whose node is down is waited for this long before its gang ends (paused by the zone rule)
     gang_grace: float = Field(defaults.GANG_GRACE, gt=0)
+    #: a gang that waited this long at the head of its priority has room held for it as room frees
+    gang_reserve_after: float = Field(defaults.GANG_RESERVE_AFTER, ge=0)
     log_level: str = "INFO"
     #: several managers on etcd: ``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]``, ``etcds://`` for TLS
     store: str | None = None
@@ -53,6 +55,14 @@ class ManagerSettings(Settings):
     store_key: str | None = None
     #: the URL other managers and clients reach this manager's API at (published in the store)
     advertise_api: str | None = None
+
+    @field_validator("gang_ports")
+    @classmethod
+    def _port_range(cls, value: str) -> str:
+        low, _, high = value.partition("-")
+        if not 1024 <= int(low) <= int(high) <= 65535:
+            raise ValueError(f"gang_ports {value!r}: LOW-HIGH with 1024 <= LOW <= HIGH <= 65535")
+        return value
 
     @field_validator("store")
     @classmethod

@@ -79,6 +79,7 @@ class Manager:
         low, _, high = settings.gang_ports.partition("-")
         self.cluster.gangs.port_range = (int(low), int(high))
         self.cluster.gangs.exit_grace, self.cluster.gangs.node_grace = settings.gang_exit_grace, settings.gang_grace
+        self.cluster.gangs.reserve_after = settings.gang_reserve_after
         self.cluster.set_timeouts(settings.create_timeout, settings.remove_timeout)
         self.metrics = Metrics(self.cluster)
         if not shared:  # several managers: the leader loads the queue and intents when elected

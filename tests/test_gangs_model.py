@@ -201,3 +201,38 @@ def test_delete_ends_the_gang_and_withdraws_a_waiting_one() -> None:
     gang, removals = world.cluster.remove_gang(waiting)
     assert gang.state == "removed" and removals == [] and world.cluster.gangs.waiting == []
     world.check()
+
+
+def test_after_gang_reserve_after_a_stream_of_small_requests_cannot_starve_a_waiting_gang() -> None:
+    world = Map()
+    world.cluster.gangs.reserve_after = 30.0
+    small = [world.cluster.submit(member(4 << 30))[0] for _ in range(8)]  # every GPU half full, twice over
+    world.answer([c for r in small for c in ([Command(OpKind.CREATE, r, r.op)] if r.op else [])])
+    gid, _ = world.gang(4, queue=True)
+
+    def churn() -> None:
+        """One small container ends and a new one asks for the room at once (a stream of small work)."""
+        running = [r for r in world.cluster.containers() if r.state is State.RUNNING and r.gang is None]
+        if running:
+            world.cluster.finish(running[0].id, State.EXITED, exit_code=0)
+        try:
+            _, commands = world.cluster.submit(member(4 << 30))
+            world.answer(commands)
+        except NoFit:
+            pass
+        world.dispatch(5.0)
+
+    for _ in range(5):  # before the reservation, backfill takes every freed half: the gang waits
+        churn()
+    assert world.view(gid)["state"] == "queued"
+    for _ in range(30):
+        churn()
+        if world.view(gid)["state"] == "running":
+            break
+        held = sum(world.cluster.gangs.held_for(f"n{n}-g0") for n in range(4))
+        assert held == 0 or world.view(gid)["state"] == "queued"
+        world.check()
+    assert world.view(gid)["state"] == "running", "the gang starved behind small requests"
+    nodes = world.cluster.nodes_view(OPERATOR)
+    assert all(g["memory_reserved_for_gang"] == 0 for n in nodes for g in n["gpus"])  # released once placed
+    world.check()

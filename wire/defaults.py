@@ -189,6 +189,8 @@ GANG_PORTS = (29500, 29999)
 GANG_EXIT_GRACE = 60.0
 #: A gang member whose node is down is waited for this long before the gang ends (KAI's staleness grace).
 GANG_GRACE = 60.0
+#: A gang that waited this long at the head of its priority has room held for it as room frees (Volcano's SLA).
+GANG_RESERVE_AFTER = 300.0
 #: A gang has at least this many members, and at most the larger.
 GANG_MIN_REPLICAS = 2
 GANG_MAX_REPLICAS = 256

@@ -141,6 +141,8 @@ class GpuView(_Shape):
     memory_headroom: int = Field(description="kept back from grants on this GPU (the manager's --headroom)")
     memory_free: int
     containers: list[str]
+    memory_reserved_for_gang: int = Field(description="held for a gang that waited gang_reserve_after: no other "
+                                          "request may take it")
     compute_capability: str | None = Field(description="e.g. 9.0; null when its node cannot tell")
     healthy: bool = Field(description="false: it takes no new grants (its running containers are left alone)")
     health: str | None = Field(description="why it is unhealthy (a fatal Xid, retired pages, ECC errors, heat)")

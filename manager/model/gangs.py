@@ -32,7 +32,7 @@ from typing import Any
 from gpumgr.manager.model.dispatch import constraints_of, request_for, take_slots
 from gpumgr.manager.model.lifecycle import Lifecycle
 from gpumgr.manager.model.records import Command, Container, OpKind, PlacementSpec
-from gpumgr.manager.placing.gang import could_ever_fit, plan_gang
+from gpumgr.manager.placing.gang import could_ever_fit, hold_targets, plan_gang
 from gpumgr.manager.tenancy.tenants import Principal, Tenant
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import Conflict, NoAgents, NoFit, NotFound
@@ -86,6 +86,8 @@ class Gang:
     node_down_mono: float | None = None
     #: a failure to be followed by a restart once every member has stopped
     restart_pending: bool = False
+    #: since when it waits (monotonic), for ``gang_reserve_after``
+    waiting_mono: float | None = None
 
 
 def gang_env(gang: Gang, rank: int, gpus: int, host_network: bool) -> dict[str, str]:
@@ -115,11 +117,14 @@ class Gangs:
         self.port_range = defaults.GANG_PORTS
         self.exit_grace = defaults.GANG_EXIT_GRACE
         self.node_grace = defaults.GANG_GRACE
+        self.reserve_after = defaults.GANG_RESERVE_AFTER
+        #: GPUs holding room for the head gang (uuid → gang id), released and chosen again at each dispatch
+        self.holding: dict[str, str] = {}
         life.member_ended = self.member_ended
 
     def clear(self) -> None:
         """Forget every gang (the map starts from nothing)."""
-        self.gangs, self.waiting, self.ports = {}, [], {}
+        self.gangs, self.waiting, self.ports, self.holding = {}, [], {}, {}
 
     # --- placing ---------------------------------------------------------------------------------
     def submit(self, spec: GangSpec, *, tenant: Tenant | None, queue: bool,
@@ -139,7 +144,7 @@ class Gangs:
             if not queue:
                 raise NoFit(f"{exc.message}; send \"queue\": true to wait for room") from None
             self.gangs[gang.id] = gang
-            gang.queued_at = gang.created_at
+            gang.queued_at, gang.waiting_mono = gang.created_at, self.life.clock.monotonic()
             if queue_timeout is not None:
                 gang.expires_mono = self.life.clock.monotonic() + queue_timeout
             self.waiting.append(gang.id)
@@ -265,7 +270,7 @@ class Gangs:
         if gang.restart_pending:
             gang.restart_pending = False
             gang.restart_count += 1
-            gang.state, gang.members = "queued", []
+            gang.state, gang.members, gang.waiting_mono = "queued", [], self.life.clock.monotonic()
             self.waiting.append(gang.id)
 
     def remove(self, gid: str) -> Gang:
@@ -277,6 +282,7 @@ class Gangs:
             return gang
         if gang.state == "queued":
             self.waiting.remove(gang.id)
+            self._release_holds()
             gang.state, gang.reason, gang.finished_at = "removed", "withdrawn before it was placed", \
                 self.life.clock.time()
             return gang
@@ -297,6 +303,7 @@ class Gangs:
                     follow = self.follow_up(member)
                     if follow is not None:
                         commands.append(follow)
+        self._release_holds()
         for gid in list(self.waiting):
             gang = self.gangs[gid]
             if gang.expires_mono is not None and now >= gang.expires_mono:
@@ -312,7 +319,34 @@ class Gangs:
                 continue
             self.waiting.remove(gid)
             commands += self._start(gang, plan)
+        self._hold_for_head(now)
         return commands
+
+    def _hold_for_head(self, now: float) -> None:
+        """Hold room for the waiting gang at the head (highest priority, then first come) once it waited
+        ``reserve_after`` seconds: on the nodes it fits best, the bytes that free up are its alone."""
+        waited = [self.gangs[g] for g in self.waiting if self.gangs[g].waiting_mono is not None
+                  and now - (self.gangs[g].waiting_mono or now) >= self.reserve_after]
+        if not waited:
+            return
+        head = max(waited, key=lambda g: (g.spec.member.priority, -(g.waiting_mono or 0.0)))
+        member = head.spec.member
+        for gpu, held in hold_targets(self.ledger.index, request_for(member, member.memory), head.spec.replicas,
+                                      head.spec.one_per_node):
+            self.ledger.hold_for_gang(gpu, held)  # type: ignore[arg-type]  # the index holds the map's Gpus
+            self.holding[gpu.uuid] = head.id
+
+    def _release_holds(self) -> None:
+        for uuid in list(self.holding):
+            gpu = self.ledger.gpus.get(uuid)
+            if gpu is not None:
+                self.ledger.hold_for_gang(gpu, 0)
+        self.holding.clear()
+
+    def held_for(self, uuid: str) -> int:
+        """Bytes of GPU ``uuid`` held for a waiting gang (``memory_reserved_for_gang`` on the map)."""
+        gpu = self.ledger.gpus.get(uuid)
+        return gpu.gang_hold if gpu is not None else 0
 
     def _tick(self, gang: Gang, now: float) -> None:
         members = [m for cid in gang.members if (m := self.ledger.records.get(cid)) is not None]

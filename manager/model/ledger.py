@@ -96,6 +96,8 @@ class Ledger:
                 gpu.holders.discard(record.id)
                 self.index.update(gpu)
                 self.touched.add(gpu.node)
+                if gpu.gang_want:  # room held for a waiting gang grows as it frees
+                    self._hold(gpu)
         record.held = 0
 
     def rehold(self, record: Container, held: int) -> None:
@@ -113,6 +115,21 @@ class Ledger:
         record.held = held
         if delta < 0:
             self.wake.set()
+
+    def hold_for_gang(self, gpu: Gpu, want: int) -> None:
+        """Hold up to ``want`` bytes of ``gpu`` for a waiting gang (0: none): what is free now, and from now on
+        what frees there, in the same step as the release that frees it, until the hold reaches ``want``."""
+        gpu.gang_want = want
+        self._hold(gpu)
+
+    def _hold(self, gpu: Gpu) -> None:
+        held = min(gpu.gang_want, max(0, gpu.total - gpu.headroom - gpu.unmanaged - gpu.reserved))
+        if gpu.gang_hold != held:
+            if held < gpu.gang_hold:
+                self.wake.set()
+            gpu.gang_hold = held
+            self.index.update(gpu)
+            self.touched.add(gpu.node)
 
     def room_for(self, record: Container, more: int) -> Gpu | None:
         """The first of ``record``'s GPUs without ``more`` free bytes, or None if all have them."""
@@ -272,6 +289,8 @@ class Ledger:
                 found.append(f"GPU {gpu.uuid} shows {gpu.reserved} reserved; its holders hold {held}")
             if held and held > gpu.total - gpu.headroom and gpu.uuid not in self.shrunk:
                 found.append(f"GPU {gpu.uuid} is over-granted: {held} of {gpu.total - gpu.headroom}")
+            if gpu.gang_hold and held + gpu.gang_hold + gpu.unmanaged > gpu.total - gpu.headroom:
+                found.append(f"GPU {gpu.uuid} holds {gpu.gang_hold} for a gang beyond what is free")
         for record in self.records.values():
             if record.state in LIVE:
                 for uid in record.gpus:

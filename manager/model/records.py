@@ -26,6 +26,8 @@ class Gpu(GpuSlot):
     health: str = ""
     #: its links to the node's other GPUs as its agent reported them (uuid → link name)
     links: dict[str, str] = field(default_factory=dict)
+    #: how much a waiting gang wants held here (``gang_hold`` grows toward it as grants end)
+    gang_want: int = 0
 
 
 @dataclass

@@ -45,6 +45,7 @@ def gpu_view(gpu: Gpu, shown: Callable[[str], bool] | None = None) -> dict[str, 
         "uuid": gpu.uuid, "index": gpu.index, "name": gpu.name, "memory_total": gpu.total,
         "memory_used": gpu.used, "memory_reserved": gpu.reserved, "memory_unmanaged": gpu.unmanaged,
         "memory_headroom": gpu.headroom, "memory_free": gpu.free, "containers": holders,
+        "memory_reserved_for_gang": gpu.gang_hold,
         "compute_capability": gpu.compute_capability or None, "healthy": not gpu.health, "health": gpu.health or None,
         # its NVLink island, PCIe switch and socket (GPUs sharing an id are joined that well); None: not reported
         "topology": None if gpu.groups is None else dict(zip(LINKS, gpu.groups, strict=True)),

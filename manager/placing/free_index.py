@@ -37,11 +37,13 @@ class GpuSlot:
     labels: dict[str, str] = field(default_factory=dict)
     #: its NVLink island, PCIe switch and CPU socket ids (see ``LINKS``); None: its node reported no topology
     groups: tuple[int, int, int] | None = None
+    #: bytes held for a gang that waited long enough: nothing else may take them (see manager/model/gangs.py)
+    gang_hold: int = 0
 
     @property
     def free(self) -> int:
-        """Schedulable free memory: what no grant, no stranger and no safety margin holds."""
-        free = self.total - self.reserved - self.unmanaged - self.headroom
+        """Schedulable free memory: what no grant, no stranger, no safety margin and no waiting gang holds."""
+        free = self.total - self.reserved - self.unmanaged - self.headroom - self.gang_hold
         return free if free > 0 else 0  # not max(): this runs several times per placement
 
 

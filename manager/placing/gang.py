@@ -76,3 +76,28 @@ def could_ever_fit(sizes_by_node: dict[str, list[int]], memory: int, count: int,
             if members >= replicas:
                 return True
     return members >= replicas
+
+
+def hold_targets(index: FreeIndex, request: Request, replicas: int,
+                 one_per_node: bool = True) -> list[tuple[GpuSlot, int]]:
+    """Where to hold room for a waiting gang, and how much: ``(gpu, bytes)`` on the GPUs it fits best.
+
+    The nodes that could hold a member were they empty are ranked by the free memory of their best
+    ``count`` GPUs; the first ``replicas`` of them (each taken ``count`` GPUs at a time, by free memory, and
+    again while it has GPUs left when members may share nodes) are to hold a member's ``memory`` per GPU:
+    what is free there now, and what frees there from now on, until the whole gang fits.
+    """
+    allows = request.constraints.allows if request.constraints.items else None
+    nodes = [request.node] if request.node is not None else list(index.by_node)
+    ranked = []
+    for node in nodes:
+        able = [s for s in index.by_node.get(node, ()) if s.total - s.headroom >= request.memory
+                and (allows is None or allows(s))]
+        if len(able) < request.count:
+            continue
+        able.sort(key=lambda s: s.free, reverse=True)
+        groups = [able[i:i + request.count] for i in range(0, len(able) - request.count + 1, request.count)]
+        for group in groups[:1] if one_per_node else groups:
+            ranked.append((sum(s.free for s in group), node, group))
+    ranked.sort(key=lambda entry: (entry[0], entry[1]), reverse=True)
+    return [(slot, request.memory) for _, _, group in ranked[:replicas] for slot in group]
