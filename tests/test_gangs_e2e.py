@@ -7,6 +7,7 @@ simulated GPUs, real containers read back with ``docker inspect``, members meeti
 
 from __future__ import annotations
 
+import signal
 import time
 from typing import Any
 
@@ -165,3 +166,32 @@ def test_members_meet_on_the_master_address_and_port_and_the_gang_ends_exited(cl
         peer = 1 - record["rank"]
         logs = manager.http.get(manager.url + f"/v1/containers/{cid}/logs", timeout=30).text
         assert f"rank{peer}" in logs
+
+
+def test_a_gang_survives_a_kill_9_of_the_manager_and_still_ends_as_one(tmp_path, test_image, docker_client,
+                                                                       cleanup_containers):
+    nodes = ["gang-r0", "gang-r1"]
+    manager = ManagerProc(tmp_path)
+    agents = [AgentProc(tmp_path, manager, node, gpus="sim:1x8GiB") for node in nodes]
+    try:
+        made = gang(manager, test_image, 2)
+        assert made.status_code == 201, made.text
+        before = made.json()
+        manager.stop(signal.SIGKILL)
+        manager = ManagerProc(tmp_path, api_port=manager.api_port, agent_port=manager.agent_port)
+        rebuilt = wait_for(lambda: (r := manager.get(f"/v1/gangs/{before['id']}")).status_code == 200
+                           and r.json()["state"] == "running" and r.json(), 30, what="the gang rebuilt")
+        for key in ("members", "rdzv_id", "master_addr", "master_port", "replicas"):
+            assert rebuilt[key] == before[key], key
+        victim = manager.get(f"/v1/containers/{before['members'][0]}").json()
+        docker_client.api.kill(victim["container_id"])
+        ended = wait_for(lambda: (v := gang_state(manager, before["id"]))["state"] == "failed" and v, 30,
+                         what="the rebuilt gang ended as one")
+        assert "member 0" in ended["reason"]
+        wait_for(lambda: manager.get(f"/v1/containers/{before['members'][1]}").json()["state"] == "removed", 20,
+                 what="the other member stopped")
+        settles(manager, docker_client, set(nodes))
+    finally:
+        for agent in agents:
+            agent.stop()
+        manager.stop()

@@ -236,3 +236,48 @@ def test_after_gang_reserve_after_a_stream_of_small_requests_cannot_starve_a_wai
     nodes = world.cluster.nodes_view(OPERATOR)
     assert all(g["memory_reserved_for_gang"] == 0 for n in nodes for g in n["gpus"])  # released once placed
     world.check()
+
+
+def test_a_restarted_manager_rebuilds_a_gang_from_its_members_labels() -> None:
+    world = Map()
+    gid, commands = world.gang(3, restart="gang", max_restarts=2)
+    world.answer(commands)
+    before = world.view(gid)
+    members = [world.cluster.get(m) for m in before["members"]]
+    again = Map(nodes=0)  # a new manager process: its map starts from nothing
+    for record in reversed(members):  # the nodes register in any order
+        report = ContainerReport(grant=record.id, container_id=f"c-{record.id}", gpus=record.gpus,
+                                 gpu_memory=record.gpu_memory, state="running", labels=record.labels,
+                                 name=record.name, image="img")
+        again.cluster.register(record.node, record.node.encode(), "docker",
+                               [GpuInfo(uuid=record.gpus[0], index=0, name="Sim", memory_total=G)], [report],
+                               advertise_addr=f"10.0.0.{int(record.node[1:]) + 1}")
+    rebuilt = again.view(gid)
+    assert rebuilt["state"] == "running" and rebuilt["members"] == before["members"]
+    for key in ("rdzv_id", "master_addr", "master_port", "replicas", "restart", "max_restarts"):
+        assert rebuilt[key] == before[key], key
+    assert [again.cluster.get(m).rank for m in rebuilt["members"]] == [0, 1, 2]
+    again.cluster.finish(rebuilt["members"][1], State.EXITED, exit_code=2)  # it still ends as one
+    assert again.view(gid)["state"] == "restarting"
+    again.dispatch()
+    again.check()
+
+
+def test_a_rebuilt_gang_whose_members_do_not_all_come_back_fails_after_gang_grace() -> None:
+    world = Map()
+    gid, commands = world.gang(2)
+    world.answer(commands)
+    record = world.cluster.get(world.view(gid)["members"][0])
+    again = Map(nodes=0)
+    again.cluster.gangs.node_grace = 10.0
+    report = ContainerReport(grant=record.id, container_id=f"c-{record.id}", gpus=record.gpus,
+                             gpu_memory=record.gpu_memory, state="running", labels=record.labels, image="img")
+    again.cluster.register(record.node, record.node.encode(), "docker",
+                           [GpuInfo(uuid=record.gpus[0], index=0, name="Sim", memory_total=G)], [report])
+    again.dispatch(5.0)
+    assert again.view(gid)["state"] == "creating"
+    again.dispatch(6.0)
+    assert again.view(gid)["state"] == "failed" and "never came back" in again.view(gid)["reason"]
+    again.dispatch()
+    assert again.cluster.get(record.id).state is State.REMOVED
+    again.check()

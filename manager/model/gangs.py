@@ -121,6 +121,7 @@ class Gangs:
         #: GPUs holding room for the head gang (uuid → gang id), released and chosen again at each dispatch
         self.holding: dict[str, str] = {}
         life.member_ended = self.member_ended
+        life.member_adopted = self.adopted
 
     def clear(self) -> None:
         """Forget every gang (the map starts from nothing)."""
@@ -183,7 +184,9 @@ class Gangs:
         for rank, slots in enumerate(plan):
             labels = {**member.labels, LABEL: gang.id, f"{LABEL}.rank": str(rank),
                       f"{LABEL}.size": str(spec.replicas), f"{LABEL}.restarts": str(gang.restart_count),
-                      f"{LABEL}.rdzv": gang.rdzv_id}
+                      f"{LABEL}.rdzv": gang.rdzv_id, f"{LABEL}.restart": f"{spec.restart}:{spec.max_restarts}",
+                      f"{LABEL}.one_per_node": "1" if spec.one_per_node else "0",
+                      f"{LABEL}.master": f"{gang.master_addr}:{gang.master_port}"}
             env = {**member.env, **gang_env(gang, rank, member.count, host_network)}
             record = Container(id=self.new_id(), name=names[rank], node="", gpus=[], gpu_memory=member.memory,
                                spec=replace(member, env=env, labels=labels, name=names[rank]),
@@ -217,6 +220,47 @@ class Gangs:
         if gang.port_host is not None and gang.master_port is not None:
             self.ports.get(gang.port_host, set()).discard(gang.master_port)
         gang.port_host = None
+
+    def adopted(self, record: Container) -> None:
+        """A live member came back in its node's report (a restart or failover): rebuild its gang from its labels.
+
+        What the labels keep: the gang's id, size, restart policy and count, rendezvous id and master. A gang
+        placed again later starts its members from the member's image, command and labels as adopted.
+        """
+        labels = record.labels
+        try:
+            gid, rank, size = labels[LABEL], int(labels[f"{LABEL}.rank"]), int(labels[f"{LABEL}.size"])
+            restart, _, most = labels.get(f"{LABEL}.restart", "never:0").partition(":")
+            addr, _, port = labels.get(f"{LABEL}.master", "").rpartition(":")
+            restarts = int(labels.get(f"{LABEL}.restarts", "0"))
+            one_per_node = labels.get(f"{LABEL}.one_per_node", "1") == "1"
+            max_restarts = int(most or 0)
+        except (KeyError, ValueError):
+            return  # not a gang's member as gpumgr labels them: it runs on as a container on its own
+        record.gang, record.rank = gid, rank
+        gang = self.gangs.get(gid)
+        if gang is None:
+            member = replace(record.spec, node=None, labels={k: v for k, v in labels.items()
+                                                             if not k.startswith(LABEL)})
+            spec = GangSpec(member, size, one_per_node, restart if restart in ("never", "gang") else "never",
+                            max_restarts)
+            gang = self.gangs[gid] = Gang(gid, spec, record.tenant, record.created_at,
+                                          labels.get(f"{LABEL}.rdzv", ""), state="creating", restart_count=restarts,
+                                          master_addr=addr or None, master_port=int(port) if port.isdigit() else None)
+            gang.port_host = None if gang.master_port is None else self._host_of(record, addr)
+            if gang.port_host is not None and gang.master_port is not None:
+                self.ports.setdefault(gang.port_host, set()).add(gang.master_port)
+            gang.node_down_mono = self.life.clock.monotonic()  # its other members have gang_grace to come back
+        if record.id not in gang.members:
+            gang.members.append(record.id)
+            gang.members.sort(key=lambda m: r.rank if (r := self.ledger.records.get(m)) is not None
+                              and r.rank is not None else size)
+        if len(gang.members) >= size:
+            gang.node_down_mono = None
+
+    def _host_of(self, record: Container, addr: str) -> str:
+        node = self.ledger.nodes.get(record.node)
+        return (node.advertise_addr if node is not None and node.advertise_addr else "") or addr
 
     # --- ending ----------------------------------------------------------------------------------
     def member_ended(self, record: Container) -> None:
@@ -356,6 +400,12 @@ class Gangs:
             self._end(gang, "failed", f"member(s) {', '.join(late)} did not exit within gang_exit_grace "
                       f"({self.exit_grace:g}s) of the first", restart=True)
             return
+        if len(members) < gang.spec.replicas:  # rebuilt from its nodes: the rest have gang_grace to come back
+            if gang.node_down_mono is not None and now - gang.node_down_mono > self.node_grace \
+                    and not self.disrupted():
+                self._end(gang, "failed", f"{gang.spec.replicas - len(members)} member(s) never came back within "
+                          f"gang_grace ({self.node_grace:g}s) after the manager's restart", restart=True)
+            return
         down = [m for m in members if m.state in LIVE and (n := self.ledger.nodes.get(m.node)) is not None
                 and not n.ready]
         if not down or self.disrupted():
@@ -368,8 +418,9 @@ class Gangs:
 
     def _started(self, gang: Gang) -> None:
         """A gang ``creating`` is ``running`` once every member runs."""
-        if gang.state == "creating" and all((m := self.ledger.records.get(cid)) is not None
-                                            and m.state is State.RUNNING for cid in gang.members):
+        if gang.state == "creating" and len(gang.members) == gang.spec.replicas and \
+                all((m := self.ledger.records.get(cid)) is not None and m.state is State.RUNNING
+                    for cid in gang.members):
             gang.state = "running"
 
     # --- reads -----------------------------------------------------------------------------------

@@ -93,6 +93,8 @@ class Lifecycle:
         self.intents = Intents()
         #: a gang's member ended (:mod:`gpumgr.manager.model.gangs` sets it): called after its end is recorded
         self.member_ended: Callable[[Container], None] | None = None
+        #: a live member was adopted from its node's report (a restart or failover): its gang is rebuilt
+        self.member_adopted: Callable[[Container], None] | None = None
 
     def clear(self) -> None:
         """Forget what belongs to the records (the map starts from nothing); counters and op ids go on."""
@@ -111,6 +113,8 @@ class Lifecycle:
             if record.tenant is not None or record.account is not None:
                 self.quotas.count(record, 1)
             self.ledger.grant(record)
+            if self.member_adopted is not None and record.labels.get("gpumgr.gang"):
+                self.member_adopted(record)  # a gang's member adopted from its node: the gang is rebuilt
 
     def place_new(self, record: Container, timeout: float | None) -> None:
         """A new record placed at once (its GPUs assigned) joins the map ``creating``: its event, its tenant's count,
