@@ -16,14 +16,22 @@ tree, each in a process of its own, alternating ``--reps`` times, and reports bo
 was there) side by side in the same process: a second map is built with it, the same seeds, and every
 measurement alternates between the two, so the ratios are of one run on one machine.
 
+``--accounts N`` times the same workload on three maps side by side in the same process, built from
+the same seeds, every measurement alternating between them: ``plain`` (no tenants, as above),
+``tenants`` (2N tenants, no accounts) and ``accounts`` (the same tenants, two to an account, in N
+accounts whose quotas add up to the capacity: issue 34's accounts). On the last two the fill's grants
+and the timed requests are the tenants', in turn. Each median is printed, and the ratios to ``plain``
+and of ``accounts`` to ``tenants`` (the goal: placing with accounts within 1.3× of without).
+
     python bench/scheduler.py [--nodes 1000] [--gpus 8] [--fill 0.8] [--reps 7] [--seconds 1.0]
-                              [--against main | --tree cb6fc3b] [--json out.json]
+                              [--against main | --tree cb6fc3b | --accounts 4] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -32,7 +40,7 @@ import sys
 import tempfile
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +50,22 @@ from bench.harness import ROOT, GiB, median, save, table
 from gpumgr.manager.model.cluster import Cluster, PlacementSpec, State
 from gpumgr.manager.placing import scheduler as new_scheduler
 from gpumgr.wire import defaults
-from gpumgr.wire.errors import NoFit
+from gpumgr.wire.errors import Conflict, NoFit
 from gpumgr.wire.protocol import GpuInfo, GpuSample
 
 #: Single-GPU request sizes (GiB) of the timed mix: all fit on a GPU that is ~80% reserved.
 MIX_GIB = (1, 1, 2, 2, 4, 8)
+#: ``--accounts``: the maps timed side by side (no tenants; tenants only; tenants in accounts).
+MODES = ("plain", "tenants", "accounts")
 
 
-def build(nodes: int, gpus: int, size_gib: int, fill: float, seed: int) -> tuple[Cluster, float]:
-    """A cluster of ``nodes`` × ``gpus`` filled to about ``fill`` of its memory; returns it and the real fill."""
+def build(nodes: int, gpus: int, size_gib: int, fill: float, seed: int, mode: str = "plain",
+          accounts: int = 4) -> tuple[Cluster, float]:
+    """A cluster of ``nodes`` × ``gpus`` filled to about ``fill`` of its memory; returns it and the real fill.
+
+    ``mode`` (one of :data:`MODES`) puts tenants, and accounts, in force first (:func:`tenancy`); the
+    fill's grants are then the tenants', in turn (:func:`tenants_of` reads them back).
+    """
     cluster = Cluster()
     for n in range(nodes):
         name = f"node-{n:04d}"
@@ -59,8 +74,10 @@ def build(nodes: int, gpus: int, size_gib: int, fill: float, seed: int) -> tuple
         cluster.register(name, name.encode(), "docker", infos, [])
     rng = random.Random(seed)
     total = nodes * gpus * size_gib * GiB
+    who = tenancy(cluster, mode, accounts, total) or [None]
     reserved = 0
     misses = 0
+    turns = itertools.count()
     while reserved < fill * total and misses < 20_000:
         count = rng.choice((1, 1, 1, 1, 2, 4))
         memory = rng.choice((1, 2, 4, 8, 12, 16)) * GiB
@@ -69,22 +86,48 @@ def build(nodes: int, gpus: int, size_gib: int, fill: float, seed: int) -> tuple
         node = f"node-{rng.randrange(nodes):04d}" if count > 1 else None
         try:
             cluster.reserve(PlacementSpec(memory=memory, count=count, placement=placement, image="img",
-                                          command=["sleep", "300"], node=node))
+                                          command=["sleep", "300"], node=node), tenant=who[next(turns) % len(who)])
             reserved += memory * count
-        except NoFit:
+        except (NoFit, Conflict):  # (Conflict: an account past its quota, which the even turns never reach)
             misses += 1
     return cluster, reserved / total
 
 
-def time_reserve_release(cluster: Cluster, specs: list[PlacementSpec], seconds: float) -> tuple[int, float]:
-    """Run reserve()+finish() over ``specs`` (cycled) for about ``seconds``; return (decisions, elapsed)."""
+def tenancy(cluster: Cluster, mode: str, accounts: int, capacity: int) -> list[Any]:
+    """Put ``mode``'s tenants in force on ``cluster``: none (``plain``), ``2 × accounts`` tenants, and with
+    ``accounts`` as many accounts, two tenants each, whose quotas add up to ``capacity``. Returns the tenants."""
+    if mode == "plain":
+        return []
+    # imported here: the trees that --tree runs this script on may predate them
+    from gpumgr.manager.tenancy.accounts import AccountConfig, build_accounts
+    from gpumgr.manager.tenancy.tenants import Tenant, TenantBook
+    tenants = [Tenant(f"tenant{i}", f"token-{i:04d}".encode() * 2, None, None, 0) for i in range(2 * accounts)]
+    cluster.tenants = TenantBook({t.name: t for t in tenants}, "operator-token-0000")
+    if mode == "accounts":
+        quotas = {f"team{a}": AccountConfig(quota={"gpu_memory": capacity // accounts}) for a in range(accounts)}
+        cluster.accounts = build_accounts(quotas, {t.name: f"team{i % accounts}" for i, t in enumerate(tenants)})
+    return tenants
+
+
+def tenants_of(cluster: Cluster) -> list[Any]:
+    """The map's tenants, in the order :func:`tenancy` made them (none on a plain map)."""
+    book = getattr(cluster, "tenants", None)  # (a map of a tree before tenants has none)
+    return [] if book is None else sorted(book.all(), key=lambda t: int(t.name.removeprefix("tenant")))
+
+
+def time_reserve_release(cluster: Cluster, specs: list[PlacementSpec], seconds: float,
+                         tenants: Sequence[Any] = ()) -> tuple[int, float]:
+    """Run reserve()+finish() over ``specs`` (cycled; as ``tenants``, in turn) for about ``seconds``; return
+    (decisions, elapsed)."""
     n, k = 0, len(specs)
+    who = list(tenants) or [None]
+    w = len(who)
     reserve, finish, exited = cluster.reserve, cluster.finish, State.EXITED
     start = time.perf_counter()
     deadline = start + seconds
     while True:
         for _ in range(256):
-            record = reserve(specs[n % k])
+            record = reserve(specs[n % k], tenant=who[n % w])
             finish(record.id, exited)
             n += 1
         now = time.perf_counter()
@@ -160,10 +203,27 @@ def time_heartbeat(cluster: Cluster, nodes: int, gpus: int, seconds: float) -> t
             return n, now - start
 
 
+def side_by_side(rates: dict[str, list[float]]) -> dict[str, float]:
+    """``--accounts``: each measurement's medians on the three maps, and their ratios (printed, and returned
+    as ``"<mode>/<mode> <measurement>"``)."""
+    names = [name.removeprefix("plain ") for name in rates if name.startswith("plain ")]
+    ratios: dict[str, float] = {}
+    rows = []
+    for name in names:
+        plain, tenants, accounts = (median(rates[f"{mode} {name}"]) for mode in MODES)
+        ratios |= {f"tenants/plain {name}": plain / tenants, f"accounts/plain {name}": plain / accounts,
+                   f"accounts/tenants {name}": tenants / accounts}
+        rows.append([name, plain, tenants, accounts, plain / accounts, tenants / accounts])
+    table([("medians, same run (ratios: time per op)", "42"), ("plain/s", "11,.0f"), ("tenants/s", "11,.0f"),
+           ("accounts/s", "11,.0f"), ("acc/plain", "10.3f"), ("acc/ten", "8.3f")], rows, lead="\n")
+    return ratios
+
+
 def measure(cluster: Cluster, module: types.ModuleType, args: argparse.Namespace,
             rates: dict[str, list[float]], label: str) -> None:
     """One repetition of every measurement on ``cluster`` with ``module``'s scheduler, into ``rates``."""
     rng = random.Random(args.seed + 1)
+    tenants = tenants_of(cluster)
     sizes = [rng.choice(MIX_GIB) * GiB for _ in range(997)]
     counts = [2, 4] * 500
     for p in ("spread", "binpack"):  # interleaved, so drift and noise hit both alike
@@ -173,11 +233,11 @@ def measure(cluster: Cluster, module: types.ModuleType, args: argparse.Namespace
         requests = [module.Request(m, 1, None, module.Placement(p)) for m in sizes]
         multi_requests = [module.Request(m, c, None, module.Placement(p)) for m, c in zip(sizes, counts, strict=False)]
         with using(module):
-            n, dt = time_reserve_release(cluster, single, args.seconds)
+            n, dt = time_reserve_release(cluster, single, args.seconds, tenants)
             rates.setdefault(f"{label}reserve+finish {p}", []).append(n / dt)
             n, dt = time_place(cluster, requests, args.seconds / 2, module.place)
             rates.setdefault(f"{label}place() only {p}", []).append(n / dt)
-            n, dt = time_reserve_release(cluster, multi, args.multi_seconds)
+            n, dt = time_reserve_release(cluster, multi, args.multi_seconds, tenants)
             rates.setdefault(f"{label}reserve+finish {p} gpus=2|4", []).append(n / dt)
             n, dt = time_place(cluster, multi_requests, args.multi_seconds, module.place)
             rates.setdefault(f"{label}place() only {p} gpus=2|4", []).append(n / dt)
@@ -276,30 +336,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--against", metavar="REV", help="also time the scheduler of this git revision, side by side")
     parser.add_argument("--tree", metavar="REV", help="run this script on the whole tree of this revision and on "
                         "this one, alternating, each in its own process")
+    parser.add_argument("--accounts", type=int, metavar="N", help="time three maps side by side: no tenants, 2N "
+                        "tenants, and the tenants in N accounts whose quotas add up to the capacity")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.tree:
         return trees(args, list(sys.argv[1:] if argv is None else argv))
 
-    variants: list[tuple[str, types.ModuleType]] = [("", new_scheduler)]
+    variants: list[tuple[str, types.ModuleType, str]] = [("", new_scheduler, "plain")]
     if args.against:
-        variants = [("before ", load_scheduler(args.against)), ("after ", new_scheduler)]
+        variants = [("before ", load_scheduler(args.against), "plain"), ("after ", new_scheduler, "plain")]
+    elif args.accounts:
+        variants = [(f"{mode} ", new_scheduler, mode) for mode in MODES]
     maps = {}
-    for label, module in variants:
+    for label, module, mode in variants:
         t0 = time.perf_counter()
         with using(module):
-            maps[label], filled = build(args.nodes, args.gpus, args.gpu_size, args.fill, args.seed)
+            maps[label], filled = build(args.nodes, args.gpus, args.gpu_size, args.fill, args.seed, mode,
+                                        args.accounts or 4)
         live = len(maps[label].containers(state="creating"))
         print(f"{label}map: {args.nodes} nodes x {args.gpus} GPUs x {args.gpu_size} GiB, {filled:.1%} reserved by "
               f"{live} live grants (built in {time.perf_counter() - t0:.1f}s); FINISHED_KEPT={defaults.FINISHED_KEPT}")
         with using(module):  # warm-up: fills the finished-record list so the timed loops pay for forgetting
             for p in ("spread", "binpack"):
                 spec = PlacementSpec(memory=GiB, count=1, placement=p, image="img", command=["sleep", "300"])
-                time_reserve_release(maps[label], [spec], 0.2)
+                time_reserve_release(maps[label], [spec], 0.2, tenants_of(maps[label]))
 
     rates: dict[str, list[float]] = {}
     for rep in range(args.reps):
-        for label, module in variants if rep % 2 == 0 else variants[::-1]:  # who goes first alternates
+        for label, module, _ in variants if rep % 2 == 0 else variants[::-1]:  # who goes first alternates
             measure(maps[label], module, args, rates, label)
         print(f"  rep {rep + 1}/{args.reps} done", file=sys.stderr)
 
@@ -313,9 +378,11 @@ def main(argv: list[str] | None = None) -> int:
         ratios = {name: median(rates[f"after {name}"]) / median(rates[f"before {name}"]) for name in names}
         table([("after / before (medians, same run)", "42"), ("ratio", "10.2f")],
               [[name, ratio] for name, ratio in ratios.items()], lead="\n")
-        ties = {label.strip(): spread_of_ties(module, args.nodes, args.gpus, 200) for label, module in variants}
+        ties = {label.strip(): spread_of_ties(module, args.nodes, args.gpus, 200) for label, module, _ in variants}
         print(f"\n200 two-GPU spread requests on {args.nodes} empty nodes land on: "
               + ", ".join(f"{n} nodes ({label})" for label, n in ties.items()))
+    if args.accounts:
+        ratios = side_by_side(rates)
     last = variants[-1][0]
     after = _index_of(maps[last])
     still = sum(s.reserved for _, s in after.by_free) / (args.nodes * args.gpus * args.gpu_size * GiB)
