@@ -15,6 +15,7 @@ connection per thread, because ``docker gpu`` runs on this client and must start
 
 from __future__ import annotations
 
+import builtins
 import os
 import time
 import urllib.parse
@@ -41,7 +42,7 @@ from gpumgr.wire.errors import (
 )
 
 if TYPE_CHECKING:
-    from gpumgr.client_types import Account, Container, Event, Node, WaitResult
+    from gpumgr.client_types import Account, Container, Event, Gang, Node, WaitResult
 
 #: Seconds between two looks at ``GET /v1/events`` while following.
 EVENTS_POLL = 0.5
@@ -52,7 +53,7 @@ MULTIPLEXED = "application/vnd.docker.multiplexed-stream"
 FRAME_HEADER = 8
 
 class Client(_Closing):
-    """The manager's API as objects: ``containers``, ``nodes``, ``events()``, ``accounts()``.
+    """The manager's API as objects: ``containers``, ``gangs``, ``nodes``, ``events()``, ``accounts()``.
 
     ``base_url`` is one URL or several (a list, or one comma-separated string): a call that cannot connect
     to one goes on to the next, and later calls start with the one that answered.
@@ -62,6 +63,7 @@ class Client(_Closing):
                  timeout: float = TIMEOUT) -> None:
         self.api = API(base_url, token, timeout)
         self.containers = ContainerCollection(self)
+        self.gangs = GangCollection(self)
         self.nodes = NodeCollection(self)
 
     @classmethod
@@ -212,6 +214,65 @@ class ContainerCollection:
         return Container.from_json(data, self)
 
 
+class GangCollection:
+    """``client.gangs``: run, list, get and remove gangs, and read their members (issue 35).
+
+    A gang is ``replicas`` containers placed all at once or not at all, each told its rank and torchrun's
+    rendezvous; its members are ordinary container records (``gang``, ``rank``) that ``client.containers`` reads.
+    """
+
+    def __init__(self, client: Client) -> None:
+        self.api = client.api
+        self._containers = client.containers
+
+    def run(self, image: str | None = None, command: str | Sequence[str] | None = None, *, replicas: int,
+            gpu_memory: int | str, gpus: int = 1, one_per_node: bool = True, restart: str | None = None,
+            max_restarts: int = 0, **options: Any) -> Gang:
+        """Place every member at once (``POST /v1/gangs``); the gang once all of them run.
+
+        ``gpus`` and ``gpu_memory`` are each member's. ``restart="gang"`` places a failed gang again whole, up
+        to ``max_restarts`` times (given ``max_restarts`` alone, ``restart`` is ``"gang"``). ``options`` are a
+        container's other fields (``env``, ``network``, ``queue``, ``queue_timeout``, ``name``, ...): with
+        ``queue=True`` a gang that does not fit now comes back ``queued`` and starts whole once every member
+        fits. Unlike ``containers.run`` it is sent once: a connection that breaks after sending raises
+        :class:`ManagerUnreachable` saying the outcome is unknown (look with ``list()`` before running it again).
+        """
+        restart = restart or ("gang" if max_restarts else "never")
+        body: dict[str, Any] = {"replicas": replicas, "gpu_memory": gpu_memory, "gpus": gpus,
+                                "one_per_node": one_per_node, "restart": restart, "max_restarts": max_restarts,
+                                **options}
+        if image is not None:
+            body["image"] = image
+        if command is not None:
+            body["command"] = command if isinstance(command, str) else list(command)
+        return self._gang(self.api.call("POST", "/v1/gangs", body=body))
+
+    def list(self) -> list[Gang]:
+        """Every gang the caller may see, ended ones included."""
+        return [self._gang(g) for g in self.api.call("GET", "/v1/gangs")["gangs"]]
+
+    def get(self, gid: str) -> Gang:
+        """One gang by its id (:class:`~gpumgr.wire.errors.NotFound` if none)."""
+        return self._gang(self.api.call("GET", f"/v1/gangs/{_quote(gid)}"))
+
+    def remove(self, gid: str) -> Gang:
+        """End it: every member is stopped and removed (a waiting gang is withdrawn). The gang as it ended."""
+        return self._gang(self.api.call("DELETE", f"/v1/gangs/{_quote(gid)}"))
+
+    def containers(self, gid: str) -> builtins.list[Container]:
+        """Its current members' records, in rank order (none while it waits)."""
+        return [self._containers.get(cid) for cid in self.get(gid).members]
+
+    def logs(self, gid: str, *, tail: int | None = None) -> dict[int, bytes]:
+        """Each current member's output so far (stdout and stderr together), by rank."""
+        return {rank: self._containers.logs(cid, tail=tail) for rank, cid in enumerate(self.get(gid).members)}
+
+    def _gang(self, data: dict[str, Any]) -> Gang:
+        from gpumgr.client_types import Gang
+
+        return Gang.from_json(data, self)
+
+
 class NodeCollection:
     """``client.nodes``: the machine × GPU map."""
 
@@ -259,6 +320,7 @@ __all__ = [
     "APIError",
     "Client",
     "ContainerCollection",
+    "GangCollection",
     "ManagerUnreachable",
     "NeverFits",
     "NodeCollection",

@@ -1,5 +1,5 @@
 """The typed records :mod:`gpumgr.client` returns: a container, a node and its GPUs, an event, a wait's end,
-an account.
+an account, a gang.
 
 Each mirrors one response shape of the REST API (``manager/openapi.py``) and is built from its JSON by
 ``from_json``. ``raw`` keeps the whole JSON object, so a field a newer manager adds is still reachable
@@ -28,6 +28,19 @@ class ContainerCollection(Protocol):
     def kill(self, ref: str, signal: str = "SIGKILL") -> str: ...
 
     def logs(self, ref: str, *, tail: int | None = None) -> bytes: ...
+
+
+class GangCollection(Protocol):
+    """What a gang's own methods call back on (``gpumgr.client``'s ``client.gangs`` is one)."""
+
+    def get(self, gid: str) -> Gang: ...
+
+    def remove(self, gid: str) -> Gang: ...
+
+    def containers(self, gid: str) -> list[Container]: ...
+
+    def logs(self, gid: str, *, tail: int | None = None) -> dict[int, bytes]: ...
+
 
 @dataclass(frozen=True)
 class GpuRef:
@@ -175,6 +188,8 @@ class Gpu:
     memory_headroom: int
     memory_free: int
     containers: list[str]
+    #: held for a gang that has waited long enough: no other request may take it (issue 35)
+    memory_reserved_for_gang: int
     compute_capability: str | None  # issue 23
     healthy: bool  # issue 23: false: it takes no new grants, and health says why
     health: str | None  # issue 23
@@ -187,6 +202,7 @@ class Gpu:
                    memory_used=data["memory_used"], memory_reserved=data["memory_reserved"],
                    memory_unmanaged=data["memory_unmanaged"], memory_headroom=data.get("memory_headroom", 0),
                    memory_free=data["memory_free"], containers=list(data.get("containers") or []),
+                   memory_reserved_for_gang=data.get("memory_reserved_for_gang", 0),
                    compute_capability=data.get("compute_capability"), healthy=data.get("healthy", True),
                    health=data.get("health"), topology=data.get("topology"), raw=data)  # issue 23
 
@@ -272,3 +288,82 @@ class Account:
                    quota=data["quota"]["gpu_memory"], limit=(data.get("limit") or {}).get("gpu_memory"),
                    over_quota_weight=data["over_quota_weight"], priority=data["priority"],
                    reclaim_min_runtime=data["reclaim_min_runtime"], raw=data)
+
+
+@dataclass(frozen=True)
+class GangQueuePlace:
+    """Where a waiting gang stands among the waiting gangs (1-based)."""
+
+    position: int
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GangQueuePlace:
+        return cls(position=data["position"])
+
+
+@dataclass(frozen=True)
+class Gang:
+    """A gang, as ``GET /v1/gangs/{id}`` shows it: ``replicas`` members placed all or none, each holding ``gpus`` ×
+    ``gpu_memory`` bytes; ``members`` are their container record ids in rank order (empty while it waits).
+
+    Like :class:`Container`, its methods act through the client that fetched it and return fresh objects.
+    """
+
+    id: str
+    state: str
+    reason: str | None
+    exit_code: int | None
+    tenant: str | None
+    replicas: int
+    gpus: int
+    gpu_memory: int
+    one_per_node: bool
+    restart: str
+    max_restarts: int
+    restart_count: int
+    members: list[str]
+    #: torchrun's rendezvous, as each member's ``PET_MASTER_ADDR``, ``PET_MASTER_PORT`` and ``PET_RDZV_ID``
+    master_addr: str | None
+    master_port: int | None
+    rdzv_id: str
+    image: str | None
+    created_at: float
+    finished_at: float | None
+    queued_at: float | None
+    queue: GangQueuePlace | None
+    raw: dict[str, Any] = field(repr=False, compare=False)
+    _collection: GangCollection | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], collection: GangCollection | None = None) -> Gang:
+        queue = data.get("queue")
+        return cls(
+            id=data["id"], state=data["state"], reason=data.get("reason"), exit_code=data.get("exit_code"),
+            tenant=data.get("tenant"), replicas=data["replicas"], gpus=data["gpus"], gpu_memory=data["gpu_memory"],
+            one_per_node=data["one_per_node"], restart=data["restart"], max_restarts=data["max_restarts"],
+            restart_count=data["restart_count"], members=list(data.get("members") or []),
+            master_addr=data.get("master_addr"), master_port=data.get("master_port"), rdzv_id=data["rdzv_id"],
+            image=data.get("image"), created_at=data["created_at"], finished_at=data.get("finished_at"),
+            queued_at=data.get("queued_at"), queue=GangQueuePlace.from_json(queue) if queue else None,
+            raw=data, _collection=collection)
+
+    def _through(self) -> GangCollection:
+        if self._collection is None:
+            raise RuntimeError("this gang was not fetched through a client")
+        return self._collection
+
+    def reload(self) -> Gang:
+        """The gang as the manager has it now."""
+        return self._through().get(self.id)
+
+    def remove(self) -> Gang:
+        """End it: every member is stopped and removed (a waiting gang is withdrawn)."""
+        return self._through().remove(self.id)
+
+    def containers(self) -> list[Container]:
+        """Its members' records now, in rank order."""
+        return self._through().containers(self.id)
+
+    def logs(self, tail: int | None = None) -> dict[int, bytes]:
+        """Each member's output so far (stdout and stderr together), by rank."""
+        return self._through().logs(self.id, tail=tail)

@@ -247,17 +247,20 @@ def test_events_follow_across_a_manager_restart(tmp_path, docker_client, test_im
 
 @pytest.mark.parametrize(("record", "shape"), [
     ("Container", "ContainerRecord"), ("GpuRef", "GpuRef"), ("QueuePlace", "QueuePlace"), ("Gpu", "GpuView"),
-    ("Node", "NodeView"), ("Event", "Event"), ("WaitResult", "WaitResult"),
+    ("Node", "NodeView"), ("Event", "Event"), ("WaitResult", "WaitResult"), ("Gang", "gangs.GangView"),
+    ("GangQueuePlace", "gangs.GangQueuePlace"),
 ])
 def test_each_typed_record_has_every_field_of_its_response_shape(record, shape):
-    """The records mirror the API's documented answers (``manager/openapi.py``), so they cannot drift apart unseen."""
+    """The records mirror the API's documented answers (``manager/openapi.py``, and the modules it takes
+    shapes from, such as ``gangs``), so they cannot drift apart unseen."""
     import dataclasses
+    import operator
 
     from gpumgr import client_types
     from gpumgr.manager.api import openapi
 
     fields = {f.name for f in dataclasses.fields(getattr(client_types, record))} - {"raw", "_collection"}
-    assert fields == set(getattr(openapi, shape).model_fields)
+    assert fields == set(operator.attrgetter(shape)(openapi).model_fields)
 
 
 def test_the_readmes_example_runs(tmp_path, monkeypatch, docker_client, test_image, capsys):
