@@ -114,6 +114,15 @@ def _take_options(argv: list[str], wanted: dict[str, bool]) -> tuple[dict[str, s
     return ours, rest
 
 
+def _format(argv: list[str], usage: str) -> str:
+    """A listing command's one option, ``--format table|json``: which it asks for (a table by default)."""
+    options, rest = _take_options(argv, {"--format": True})
+    form = options.get("--format", "table")
+    if rest or form not in ("table", "json"):
+        raise PluginError(f"usage: {usage}")
+    return form
+
+
 def _memory(text: str) -> int:
     try:
         return parse_bytes(text)

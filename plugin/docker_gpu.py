@@ -13,7 +13,7 @@ import sys
 from gpumgr.plugin.cli_base import EXIT_UNKNOWN as EXIT_UNKNOWN
 from gpumgr.plugin.cli_base import Manager as Manager
 from gpumgr.plugin.cli_base import PluginError as PluginError
-from gpumgr.plugin.cli_base import _print_table, _take_options
+from gpumgr.plugin.cli_base import _format, _print_table
 from gpumgr.plugin.services import service
 from gpumgr.wire.units import format_bytes
 
@@ -71,6 +71,10 @@ def run(argv: list[str]) -> int:
         return show_containers(client)
     if command == "accounts":
         return show_accounts(client, rest)
+    if command == "gang":
+        from gpumgr.plugin import gangs_cli
+
+        return gangs_cli.gang(client, rest)
     if command == "service":
         return service(client, rest)
     if command == "stack":
@@ -103,6 +107,12 @@ Commands:
        --log-driver --log-opt] IMAGE [CMD]
                           like 'docker run': attached, it streams the output and exits with the
                           container's exit code (125 when docker gpu itself fails)
+  run --gang N --gpu-memory SIZE [--no-one-per-node] [--restart-gang N] [--queue] [run options] IMAGE [CMD]
+                          N members placed all at once or none, each told GPUMGR_GANG_RANK and torchrun's
+                          PET_* rendezvous; always detached: prints the gang's id
+  gang ps [--format table|json]       every gang: state, replicas, grant, restarts, master
+  gang logs [-f] [--tail N] GANG      every member's output, each line prefixed with its rank: [0] ...
+  gang rm GANG...                     end it: every member is stopped and removed
   logs [-f] [--tail N] CONTAINER      its output, from whichever node runs it
   wait CONTAINER...       block until each ends; print its exit code
   kill [-s SIGNAL] CONTAINER...
@@ -170,10 +180,7 @@ def show_containers(client: Manager) -> int:
 
 def show_accounts(client: Manager, argv: list[str]) -> int:
     """``docker gpu accounts [--format table|json]``: each account's fair share against what it holds."""
-    options, rest = _take_options(argv, {"--format": True})
-    form = options.get("--format", "table")
-    if rest or form not in ("table", "json"):
-        raise PluginError("usage: docker gpu accounts [--format table|json]")
+    form = _format(argv, "docker gpu accounts [--format table|json]")
     accounts = client.call("GET", "/v1/accounts")["accounts"]
     if form == "json":  # the API's objects as they are: a script reads [] when no accounts are configured
         print(json.dumps(accounts))

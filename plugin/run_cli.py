@@ -1,5 +1,8 @@
 """``docker gpu run`` as a drop-in ``docker run``, and ``docker gpu logs``, ``wait``, ``kill`` and ``rm``.
 
+``docker gpu run --gang N`` submits a gang instead (``POST /v1/gangs``), always detached; ``docker gpu gang``
+(:mod:`gpumgr.plugin.gangs_cli`) shows it, reads its members' output and ends it.
+
 ``docker run``'s flags are read into the manager's request (``POST /v1/containers``); a flag it has
 that gpumgr does not offer is refused by name, never ignored. Without ``-d`` the command attaches:
 the container's output is streamed from its node (stdout to stdout, stderr to stderr), signals are
@@ -19,7 +22,7 @@ import sys
 import threading
 from typing import Any
 
-from gpumgr.plugin.run_flags import build_request, parser
+from gpumgr.plugin.run_flags import build_request, gang_fields, parser
 from gpumgr.wire.units import format_bytes
 
 #: ``docker run``'s own failures: the daemon or the CLI, not the container.
@@ -40,6 +43,9 @@ def run_container(client: Any, argv: list[str], error: type[Exception]) -> int:
     """``docker gpu run [OPTIONS] IMAGE [COMMAND] [ARG...]``."""
     args = parser(error).parse_args(argv)
     body = build_request(args, error)
+    gang = gang_fields(args, error)
+    if gang is not None:
+        return _submit_gang(client, {**body, **gang}, error)
     if args.rm and not args.detach:
         body.pop("auto_remove", None)  # attached: removed here once its output is read, not by the engine at exit
     try:
@@ -58,6 +64,23 @@ def _detached(record: dict[str, Any]) -> int:
               "room frees ('docker gpu ps' shows it)")
         return 0
     print(record["id"])
+    return 0
+
+
+def _submit_gang(client: Any, body: dict[str, Any], error: type[Exception]) -> int:
+    """``run --gang N``, always detached: the gang's id once every member runs, or its place while it waits whole.
+
+    Sent once, without a key (``POST /v1/gangs`` takes none): a broken connection says the outcome is unknown.
+    """
+    try:
+        view = client.call("POST", "/v1/gangs", json_body=body)
+    except error as exc:
+        raise _exit_error(error, _cli_words(str(exc)), _exit_code_for(str(exc))) from None
+    if view["state"] == "queued":
+        print(f"{view['id']}  queued at position {view['queue']['position']}: it starts whole as soon as every "
+              "member fits ('docker gpu gang ps' shows it)")
+    else:
+        print(view["id"])
     return 0
 
 

@@ -1,4 +1,5 @@
-"""``docker run``'s flags read into the manager's request body (``POST /v1/containers``).
+"""``docker run``'s flags read into the manager's request body (``POST /v1/containers``, or ``/v1/gangs``
+with ``--gang N``).
 
 Each flag ``docker gpu run`` takes becomes the field docker-py names (``-v`` → ``volumes``, ``-p`` →
 ``ports``, ``--cpus`` → ``nano_cpus``...); the manager validates every value. A ``docker run`` flag
@@ -71,6 +72,10 @@ def parser(error: type[Exception]) -> argparse.ArgumentParser:
     add("--queue", action="store_true", help="wait for room instead of failing with no_fit")
     add("--queue-timeout", type=float, help="seconds to wait in the queue (with --queue)")
     add("--constraint", action="append", default=[], help="where it may run, e.g. gpu.model==*H100* (repeatable)")
+    add("--gang", help="run N members placed all at once or none, each told its rank and torchrun's rendezvous "
+                       "(always detached: prints the gang's id)")
+    add("--no-one-per-node", action="store_true", help="with --gang: members may share a node")
+    add("--restart-gang", help="with --gang: place a failed gang again whole, up to N times")
     for short, flag in (("-e", "--env"), ("-l", "--label"), ("-v", "--volume"), ("-p", "--publish"), ("", "--mount"),
                         ("", "--env-file"), ("", "--ulimit"), ("", "--cap-add"), ("", "--log-opt"),
                         ("", "--device"), ("", "--tmpfs"), ("", "--label-file")):
@@ -118,6 +123,21 @@ def build_request(args: argparse.Namespace, error: type[Exception]) -> dict[str,
     if args.log_driver or args.log_opt:
         body["log_config"] = {"type": args.log_driver or "json-file", "config": _pairs(args.log_opt, error)}
     return body
+
+
+def gang_fields(args: argparse.Namespace, error: type[Exception]) -> dict[str, Any] | None:
+    """The fields ``POST /v1/gangs`` adds to a container's body (None without ``--gang``; its flags need it)."""
+    if args.gang is None:
+        if args.no_one_per_node or args.restart_gang is not None:
+            raise error("--no-one-per-node and --restart-gang are for a gang: add --gang N")
+        return None
+    if not args.gang.isdigit() or int(args.gang) < 2:
+        raise error(f"--gang takes how many members, 2 or more, not {args.gang!r}")
+    restarts = args.restart_gang or "0"
+    if not restarts.isdigit():
+        raise error(f"--restart-gang takes how many times a failed gang is placed again, not {restarts!r}")
+    return {"replicas": int(args.gang), "one_per_node": not args.no_one_per_node,
+            "restart": "gang" if int(restarts) else "never", "max_restarts": int(restarts)}
 
 
 def _size(text: str, error: type[Exception], parse: Callable[[str], int] = parse_bytes) -> int:
