@@ -238,10 +238,6 @@ class Manager:
         is still being created) the request is kept and carried out as soon as it can be: ``(record, 202)``.
         """
         self.leading.check()
-        gang = self.cluster.get(cid).gang
-        if gang is not None:  # a member's DELETE ends its whole gang
-            self.remove_gang(gang)
-            return self.cluster.view(self.cluster.get(cid)), 200
         intent = self.cluster.removal_intent(cid)
         if intent is not None:  # written ahead: a restart or a new leader carries it out; a failure changes nothing
             self.write_intents({cid: intent})

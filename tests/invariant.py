@@ -189,4 +189,25 @@ def model_violations(manager: Any, engines: dict[str, dict[str, tuple[str, int]]
                 elif record.held < enforced:
                     found.append(f"container of grant {grant} enforces {enforced} on {node}; the map holds "
                                  f"{record.held}")
+        found += gang_violations(manager.cluster)
+    return found
+
+
+def gang_violations(cluster: Any) -> list[str]:
+    """No gang is partly placed: a waiting gang has no members; a placed one has every member, none queued;
+    an ended one keeps no member running that is not being stopped. Call under the map's lock."""
+    found = []
+    records = cluster.ledger.records
+    for gang in cluster.gangs.gangs.values():
+        members = [records.get(m) for m in gang.members]
+        if gang.state == "queued" and members:
+            found.append(f"waiting gang {gang.id} has members {gang.members}")
+        elif gang.state in ("creating", "running"):
+            placed = [m for m in members if m is not None and str(m.state) != "queued"]
+            if len(placed) != gang.spec.replicas:
+                found.append(f"gang {gang.id} ({gang.state}) is partly placed: {len(placed)} of {gang.spec.replicas}")
+        else:
+            running = [m.id for m in members if m is not None and str(m.state) in LIVE and str(m.desired) == "running"]
+            if running:
+                found.append(f"gang {gang.id} is {gang.state} but members {running} are meant to run on")
     return found

@@ -1,10 +1,11 @@
 """The real manager against scripted agents that delay, drop, repeat and reorder replies, on a logical clock.
 
-Rules: POST (queued or not, 1 to 4 GPUs), DELETE (any record, twice as likely as not), PATCH, the fate of
+Rules: POST (queued or not, 1 to 4 GPUs), POST of a gang (2 or 3 members, queued or not), DELETE (any
+record, twice as likely as not), PATCH, the fate of
 each request in flight (answered, refused, lost after it was applied, dropped before, answered again
 late), node down and up, reconnects, agent restarts, forgetting a node, containers exiting, sweeps and
-dispatches. After every step: the model's invariant (:meth:`Cluster.check`) and the engines' truth
-(no container alive on a node on the map without its bytes held). The number of examples is
+dispatches. After every step: the model's invariant (:meth:`Cluster.check`), the engines' truth
+(no container alive on a node on the map without its bytes held), and no gang partly placed. The number of examples is
 ``GPUMGR_MODEL_EXAMPLES`` (500 in CI); ``bench/lifecycle_model.py`` runs it far longer.
 """
 
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gpumgr.manager.config import ManagerSettings
+from gpumgr.manager.model.gangs import GangSpec
 from gpumgr.manager.model.records import PlacementSpec
 from gpumgr.manager.service import Manager
 from gpumgr.wire.errors import GpumgrError
@@ -46,6 +48,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         for agent in self.agents:
             agent.register()
         self.ids: list[str] = []
+        self.gangs: list[str] = []
 
     def agent(self, name: str) -> ScriptedAgent:
         return next(a for a in self.agents if a.name == name)
@@ -72,6 +75,18 @@ class LifecycleMachine(RuleBasedStateMachine):
         except GpumgrError:
             return
         self.ids.append(record.id)
+        self.manager.send(commands)
+
+    @rule(replicas=st.integers(2, 3), memory=st.integers(1, 8), queue=st.booleans())
+    def post_gang(self, replicas: int, memory: int, queue: bool) -> None:
+        member = PlacementSpec(memory=memory * GiB // 2, count=1, placement="spread", image="img", command=[])
+        try:
+            gang, commands = self.manager.cluster.submit_gang(GangSpec(member, replicas, one_per_node=False),
+                                                              queue=queue)
+        except GpumgrError:
+            return
+        self.ids.extend(gang.members)
+        self.gangs.append(gang.id)
         self.manager.send(commands)
 
     @precondition(lambda self: self.ids)
@@ -196,6 +211,8 @@ class LifecycleMachine(RuleBasedStateMachine):
     def dispatch(self) -> None:
         self.manager.dispatch_once()
         self.settle()
+        for gid in self.gangs:  # members of gangs placed by a dispatch (a waiting gang, or a restart)
+            self.ids.extend(m for m in self.manager.cluster.gangs.gangs[gid].members if m not in self.ids)
 
     # --- after every step ----------------------------------------------------------------------
     @invariant()

@@ -509,6 +509,11 @@ class Cluster(Terms, MapReads):
                 # first, and the record says removed once its node confirms
                 op = self.life.begin(record, OpKind.REMOVE, self.reconciler.remove_timeout)
                 return record, [Command(OpKind.REMOVE, record, op)] if op is not None else []
+            if record.gang is not None and record.gang in self.gangs.gangs:  # a member's DELETE ends its gang
+                self.gangs.remove(record.gang)
+                return record, [c for m in self.gangs.gangs[record.gang].members
+                                if (r := self.ledger.records.get(m)) is not None and r.state in LIVE
+                                and (c := self.reconciler.follow_up(r)) is not None]
             self.life.desire(record, State.REMOVED, "removed on request")
             follow = self.reconciler.follow_up(record)
             return record, [follow] if follow is not None else []

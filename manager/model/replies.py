@@ -74,7 +74,7 @@ class Replies:
                 refused = agent_error(record.node, reply.error, "could not remove the container")
                 if record.desired is State.PREEMPTED:
                     self.dispatcher.preemption_failed(record)
-                else:
+                elif not record.detail.get("gang_ended"):  # a member of an ended gang is asked again
                     self.life.desire(record, State.RUNNING)
                 runs_on = "; it runs on" if record.state in LIVE else ""
                 self.life.event(EventType.FAILED, f"removal failed: {refused.message}{runs_on}", record)
