@@ -281,3 +281,17 @@ def test_a_rebuilt_gang_whose_members_do_not_all_come_back_fails_after_gang_grac
     again.dispatch()
     assert again.cluster.get(record.id).state is State.REMOVED
     again.check()
+
+
+def test_delete_of_an_ended_gang_removes_its_members_containers() -> None:
+    world = Map()
+    gid, commands = world.gang(2)
+    world.answer(commands)
+    assert world.view(gid)["state"] == "running"
+    for cid in world.view(gid)["members"]:
+        world.cluster.finish(cid, State.EXITED, exit_code=0)
+    gang, removals = world.cluster.remove_gang(gid)
+    assert gang.state == "exited" and len(removals) == 2 and {c.kind for c in removals} == {OpKind.REMOVE}
+    world.answer(removals)
+    assert all(world.cluster.get(m).state is State.REMOVED for m in gang.members)
+    world.check()

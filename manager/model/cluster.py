@@ -376,11 +376,20 @@ class Cluster(Terms, MapReads):
                 raise
 
     def remove_gang(self, gid: str) -> tuple[Gang, list[Command]]:
-        """End gang ``gid`` (withdraw it if it waits): its members' removals to send now."""
+        """End gang ``gid`` (withdraw it if it waits): its members' removals to send now (an ended member's
+        container is removed from its engine, as a DELETE of an ended container does)."""
         with self.lock:
             gang = self.gangs.remove(gid)
-            commands = [c for m in gang.members if (r := self.ledger.records.get(m)) is not None
-                        and r.state in LIVE and (c := self.reconciler.follow_up(r)) is not None]
+            commands = []
+            for cid in gang.members:
+                record = self.ledger.records.get(cid)
+                if record is None:
+                    continue
+                if record.state in LIVE:
+                    follow = self.reconciler.follow_up(record)
+                    commands += [follow] if follow is not None else []
+                elif record.state in ENDED and record.op is None:
+                    commands += self._remove_ended(record)
             return gang, commands
 
     def gang_views(self, principal: Principal, gid: str | None = None) -> list[dict[str, Any]]:
@@ -502,13 +511,7 @@ class Cluster(Terms, MapReads):
                 self.life.move(record, State.REMOVED, "withdrawn from the queue before it was placed")
                 return record, []
             if record.state in ENDED:
-                if not record.container_id or record.state is State.REMOVED:
-                    self.life.move(record, State.REMOVED)
-                    return record, []
-                # its stopped container is still in the engine (with its logs and name): removed from there
-                # first, and the record says removed once its node confirms
-                op = self.life.begin(record, OpKind.REMOVE, self.reconciler.remove_timeout)
-                return record, [Command(OpKind.REMOVE, record, op)] if op is not None else []
+                return record, self._remove_ended(record)
             if record.gang is not None and record.gang in self.gangs.gangs:  # a member's DELETE ends its gang
                 self.gangs.remove(record.gang)
                 return record, [c for m in self.gangs.gangs[record.gang].members
@@ -517,6 +520,15 @@ class Cluster(Terms, MapReads):
             self.life.desire(record, State.REMOVED, "removed on request")
             follow = self.reconciler.follow_up(record)
             return record, [follow] if follow is not None else []
+
+    def _remove_ended(self, record: Container) -> list[Command]:
+        """An ended record's DELETE: its stopped container (with its logs and name) is removed from the engine
+        first, and the record says removed once its node confirms; one with no container is removed at once."""
+        if not record.container_id or record.state is State.REMOVED:
+            self.life.move(record, State.REMOVED)
+            return []
+        op = self.life.begin(record, OpKind.REMOVE, self.reconciler.remove_timeout)
+        return [Command(OpKind.REMOVE, record, op)] if op is not None else []
 
     def withdraw(self, cid: str) -> Container:
         """Take a queued request out of the queue: it ends as ``removed``."""

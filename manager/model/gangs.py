@@ -420,8 +420,8 @@ class Gangs:
     def _started(self, gang: Gang) -> None:
         """A gang ``creating`` is ``running`` once every member runs."""
         if gang.state == "creating" and len(gang.members) == gang.spec.replicas and \
-                all((m := self.ledger.records.get(cid)) is not None and m.state is State.RUNNING
-                    for cid in gang.members):
+                all((m := self.ledger.records.get(cid)) is not None and m.state is not State.CREATING
+                    for cid in gang.members):  # every member started (one may have ended already)
             gang.state = "running"
 
     # --- reads -----------------------------------------------------------------------------------
