@@ -11,12 +11,13 @@ counted in its leaf account and every account above it: ``allocated`` (live gran
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 from gpumgr.manager.clock import SYSTEM, Clock
 from gpumgr.manager.model.records import Container
-from gpumgr.manager.tenancy.accounts import AccountTree
+from gpumgr.manager.tenancy.accounts import Account, AccountTree
 from gpumgr.manager.tenancy.tenants import Principal, Tenant, TenantBook, Usage
 from gpumgr.wire.errors import QuotaExceeded
 from gpumgr.wire.names import LIVE, State
@@ -36,6 +37,7 @@ class Quotas:
         #: every account's live grants and queued requests, bytes × GPUs (a parent's hold its children's)
         self.allocated: dict[str, int] = {}
         self.waiting: dict[str, int] = {}
+        self._chains: Mapping[str, tuple[Account, ...]] = {}
 
     def clear(self) -> None:
         """Forget every tenant's counts (the map starts from nothing; the records that count come back)."""
@@ -48,6 +50,7 @@ class Quotas:
         A live or queued record is moved to the account its tenant has now; ``over_quota`` stays as decided.
         """
         self.accounts = tree
+        self._chains = tree.chains if tree is not None else {}
         self.allocated, self.waiting = {}, {}
         for record in records:
             live = record.state in LIVE
@@ -60,26 +63,28 @@ class Quotas:
 
     def _add(self, account: str, allocated: int, waiting: int) -> None:
         """Add to ``account`` and every account above it."""
-        tree = self.accounts
-        if tree is None or account not in tree:
+        chain = self._chains.get(account)
+        if chain is None:
             return
-        for name in tree[account].path:
-            if allocated:
-                self.allocated[name] = self.allocated.get(name, 0) + allocated
-            if waiting:
-                self.waiting[name] = self.waiting.get(name, 0) + waiting
+        if allocated:
+            counts = self.allocated
+            for node in chain:
+                counts[node.name] = counts.get(node.name, 0) + allocated
+        if waiting:
+            counts = self.waiting
+            for node in chain:
+                counts[node.name] = counts.get(node.name, 0) + waiting
 
     def room(self, account: str, memory: int) -> str | None:
         """Whether ``account`` may take ``memory`` more bytes now: None (within every quota on its path),
         ``over_quota`` (it would borrow) or ``limit`` (it would pass a limit on its path)."""
-        tree = self.accounts
-        if tree is None or account not in tree:
+        chain = self._chains.get(account)
+        if chain is None:
             return None
         verdict = None
         allocated = self.allocated
-        for name in tree[account].path:
-            node = tree[name]
-            held = allocated.get(name, 0) + memory
+        for node in chain:
+            held = allocated.get(node.name, 0) + memory
             if node.limit is not None and held > node.limit:
                 return "limit"
             if held > node.quota:
@@ -88,10 +93,9 @@ class Quotas:
 
     def never(self, account: str, memory: int) -> str | None:
         """The account on ``account``'s path whose limit ``memory`` alone passes (it can never run), or None."""
-        tree = self.accounts
-        if tree is None or account not in tree:
-            return None
-        return next((n for n in tree[account].path if (lim := tree[n].limit) is not None and memory > lim), None)
+        chain = self._chains.get(account)
+        return None if chain is None else next((n.name for n in chain if n.limit is not None and memory > n.limit),
+                                               None)
 
     def count(self, record: Container, sign: int) -> None:
         """``record`` starts (+1) or stops (-1) counting against its tenant, as queued or live by its state."""

@@ -106,6 +106,8 @@ class AccountTree:
     tops: tuple[str, ...]
     #: tenant name → its leaf account
     members: Mapping[str, str] = field(default_factory=dict)
+    #: each account's path as the accounts themselves, top first (read on every grant: no lookups by name)
+    chains: Mapping[str, tuple[Account, ...]] = field(default_factory=dict)
 
     def account_of(self, tenant: str | None) -> str:
         """The leaf a request of ``tenant`` (None: the operator) is counted in."""
@@ -195,7 +197,8 @@ def build_accounts(configs: Mapping[str, AccountConfig],
             raise ValueError(f"tenant {tenant}: account {leaf} has children; requests are counted in a leaf "
                              f"account only (one of {', '.join(accounts[leaf].children)})")
         members[tenant] = leaf
-    return AccountTree(accounts, tuple(children.get(None, [])), members)
+    chains = {name: tuple(accounts[p] for p in account.path) for name, account in accounts.items()}
+    return AccountTree(accounts, tuple(children.get(None, [])), members, chains)
 
 
 def leaves(tree: AccountTree) -> Iterable[str]:
