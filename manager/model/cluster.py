@@ -316,13 +316,13 @@ class Cluster(Terms, MapReads):
         tree, total = self.quotas.accounts, record.gpu_memory * record.count
         assert tree is not None
         record.account = account = tree.account_of(record.tenant)
-        never = self.quotas.never(account, total)
-        if never is not None:
-            raise Conflict(f"account {never}'s limit is {format_bytes(tree[never].limit or 0)}; this asks for "
-                           f"{format_bytes(total)} alone: it can never run; nothing was queued", code="over_quota")
         verdict = self.quotas.room(account, total)
         if verdict is None or (verdict == "over_quota" and record.preemptible):
             return queue
+        never = self.quotas.never(account, total) if verdict == "limit" else None
+        if never is not None:
+            raise Conflict(f"account {never}'s limit is {format_bytes(tree[never].limit or 0)}; this asks for "
+                           f"{format_bytes(total)} alone: it can never run; nothing was queued", code="over_quota")
         why = (f"account {account} would pass a limit on its path" if verdict == "limit" else
                f"account {account} would pass its quota ({format_bytes(tree[account].quota)}) and the request "
                "is not preemptible: past its quota an account borrows only with preemptible requests")
