@@ -29,8 +29,9 @@ def test_kais_fixture_converges_to_70_30_by_reclaim() -> None:
     assert result["jobs_preempted_twice_or_more"] == 0
     second = result["phases"][1]
     assert second["label"] == "b asks 100" and second["reversals"] == []
-    # a reclaim waits for its victim to stop (5 s): 30 of them cannot all be done in the first second
-    assert second["slowest_settle_s"] is not None and second["slowest_settle_s"] > 5
+    # one walk reclaims b's whole share at once, so it settles within one stop (5 s) and its create (1 s) of
+    # asking, not one request's room per stop (145 s before a walk looked past the head of b's line)
+    assert second["slowest_settle_s"] is not None and second["slowest_settle_s"] <= 5 + 1 + 1
 
 
 def test_instant_stops_reach_the_same_shares() -> None:

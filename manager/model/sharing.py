@@ -26,6 +26,7 @@ while the zone rule holds (many nodes silent at once). Called under the ledger's
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -38,6 +39,9 @@ from gpumgr.manager.placing.scheduler import GpuSlot, Request, place
 from gpumgr.manager.tenancy.accounts import AccountTree
 from gpumgr.wire.errors import GpumgrError, NoAgents, NoFit
 from gpumgr.wire.names import EventType, State
+
+#: How many waiting requests of one owed account a walk plans reclaim for.
+RECLAIM_AHEAD = 64
 
 
 class Walker(Protocol):
@@ -115,7 +119,7 @@ class FairWalk:
                 if record.id != own or own_waits:
                     if shares.ratio(account) < 1.0:
                         owed = True
-                        self.plan_reclaim(record, shares)
+                        self._reclaim_down(account, lines[account], shares)
                     dispatch.plan_preemption(record, same_account=True)
                 continue
             except (NoAgents, GpumgrError):
@@ -126,15 +130,30 @@ class FairWalk:
                 shares.allocated[name] = shares.allocated.get(name, 0.0) + total
             placed.append(record)
 
-    def plan_reclaim(self, head: Container, shares: Shares) -> None:
-        """Stop over-quota containers of accounts above their fair share so that ``head`` fits; see the docstring."""
+    def _reclaim_down(self, account: str, line: deque[tuple[int, Container]], shares: Shares) -> None:
+        """Reclaim for the head of ``account``'s line, then for the requests behind it while the account stays
+        below its fair share (counting those already provided for): one walk moves an account's whole share,
+        not one request's room per stop (at most :data:`RECLAIM_AHEAD` requests a walk)."""
+        for _, record in itertools.islice(line, RECLAIM_AHEAD):
+            if shares.ratio(account) >= 1.0 or not self.plan_reclaim(record, shares):
+                return
+
+    def plan_reclaim(self, head: Container, shares: Shares) -> bool:
+        """Stop over-quota containers of accounts above their fair share so that ``head`` fits; see the docstring.
+
+        True when victims were chosen (or are still stopping) for it: ``shares`` then counts ``head`` as placed
+        and the victims as gone, so a further call for the next request of the same account weighs the rule
+        against the shares as they will be.
+        """
         if self.paused() or head.account is None:
-            return
+            return False
         dispatch, tree, records = self.dispatch, self.tree, self.ledger.records
         chosen_before = dispatch.making_room.get(head.id, set())
-        if any(records[v].state in (State.CREATING, State.RUNNING) and records[v].desired is State.PREEMPTED
-               for v in chosen_before if v in records):
-            return  # its room is being made
+        stopping = [records[v] for v in chosen_before if v in records and records[v].state in
+                    (State.CREATING, State.RUNNING) and records[v].desired is State.PREEMPTED]
+        if stopping:  # its room is being made
+            self._count_as_done(head, stopping, shares)
+            return True
         need = float(head.gpu_memory * head.count)
         now = self.life.clock.monotonic()
         sides: dict[str, tuple[str, str] | None] = {}
@@ -163,14 +182,14 @@ class FairWalk:
 
         victims = dispatch.cheapest_victims(head, eligible, order)
         if not victims:
-            return
+            return False
         taken: dict[tuple[str, str], float] = {}
         for victim in victims:
             split = side(victim)
             assert split is not None
             taken[split] = taken.get(split, 0.0) + victim.gpu_memory * victim.count
         if not all(allowed(shares, mine, need, theirs, amount) for (mine, theirs), amount in taken.items()):
-            return  # together they would take the victims' side below the reclaimer's: no loop is started
+            return False  # together they would take the victims' side below the reclaimer's: no loop is started
         self.reclaims += 1
         dispatch.making_room[head.id] = {v.id for v in victims}
         for victim in victims:
@@ -179,6 +198,17 @@ class FairWalk:
             self.life.event(EventType.PREEMPTED, f"reclaimed: stopping over-quota container of account "
                             f"{victim.account} to give account {head.account} its fair share (for queued request "
                             f"{head.id})", victim, preempted_for=head.id, reclaimed_for_account=head.account)
+        self._count_as_done(head, victims, shares)
+        return True
+
+    def _count_as_done(self, head: Container, victims: list[Container], shares: Shares) -> None:
+        """Count ``head`` as placed and ``victims`` as stopped in this walk's ``shares``."""
+        tree = self.tree
+        for name in tree[head.account or ""].path:
+            shares.allocated[name] = shares.allocated.get(name, 0.0) + head.gpu_memory * head.count
+        for victim in victims:
+            for name in tree[victim.account or ""].path:
+                shares.allocated[name] = shares.allocated.get(name, 0.0) - victim.gpu_memory * victim.count
 
     def view(self, visible: list[str] | None) -> list[dict[str, Any]]:
         """Every account (or the ``visible`` ones) with its settings, fair share, allocation, request and waiting."""
