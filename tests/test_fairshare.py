@@ -369,3 +369,26 @@ def test_a_restarted_manager_counts_its_journaled_queue_and_adopted_containers_i
     assert view["a"]["allocated"] == 2 * G and view["b"]["waiting"] == G
     assert again.cluster.get(waiting.id).account == "b"
     again.check()
+
+
+@pytest.mark.parametrize("gpus", [6, 4])
+def test_a_request_within_its_own_quota_is_not_held_back_by_a_sibling_that_borrowed_its_part(gpus: int) -> None:
+    """The tree's finding: x asks within its own quota, but its parent p is at its quota because sibling y
+    borrowed x's part. Borrowed containers use no quota: with room free x runs at once (it waited before, for
+    y's jobs to end by themselves); with none, x is below its fair share and reclaims one of y's borrowers."""
+    accounts = {"p": {"quota": {"gpu_memory": 4 * G}, "reclaim_min_runtime": 1},
+                "p/x": {"quota": {"gpu_memory": 2 * G}}, "p/y": {"quota": {"gpu_memory": 2 * G}},
+                "q": {"quota": {"gpu_memory": 0}}}
+    sim = Accounts(accounts, nodes=1, gpus=gpus, gpu_memory=G, leaves=["p/x", "p/y", "q"])
+    borrowed = sim.ask("p/y", 4)  # two within y's quota, two borrowed from x's part of p
+    assert [r.over_quota for r in borrowed] == [False, False, True, True]
+    sim.step(2.0)
+    (mine,) = sim.ask("p/x", 1, preemptible=False)
+    sim.settle_down()
+    assert mine.state is State.RUNNING and not mine.over_quota
+    if gpus == 6:
+        assert sim.reclaimed == []
+    else:
+        (victim,) = sim.reclaimed
+        assert victim.id in {r.id for r in borrowed[2:]} and victim.detail["reclaimed_for_account"] == "p/x"
+    sim.check()

@@ -37,12 +37,14 @@ class Quotas:
         #: every account's live grants and queued requests, bytes × GPUs (a parent's hold its children's)
         self.allocated: dict[str, int] = {}
         self.waiting: dict[str, int] = {}
+        #: the part of ``allocated`` that is over quota (borrowed, reclaimable): it uses no quota
+        self.borrowed: dict[str, int] = {}
         self._chains: Mapping[str, tuple[Account, ...]] = {}
 
     def clear(self) -> None:
         """Forget every tenant's counts (the map starts from nothing; the records that count come back)."""
         self._usage = {}
-        self.allocated, self.waiting = {}, {}
+        self.allocated, self.waiting, self.borrowed = {}, {}, {}
 
     def set_accounts(self, tree: AccountTree | None, records: list[Container]) -> None:
         """Put ``tree`` in force and count ``records`` (every record on the map) in it again from nothing.
@@ -51,45 +53,53 @@ class Quotas:
         """
         self.accounts = tree
         self._chains = tree.chains if tree is not None else {}
-        self.allocated, self.waiting = {}, {}
+        self.allocated, self.waiting, self.borrowed = {}, {}, {}
         for record in records:
             live = record.state in LIVE
             if not live and record.state is not State.QUEUED:
                 continue
             record.account = tree.account_of(record.tenant) if tree is not None else None
             if record.account is not None:
-                self._add(record.account, (1 if live else 0) * record.gpu_memory * record.count,
-                          (0 if live else 1) * record.gpu_memory * record.count)
+                total = record.gpu_memory * record.count
+                self._add(record.account, total if live else 0, 0 if live else total,
+                          total if live and record.over_quota else 0)
 
-    def _add(self, account: str, allocated: int, waiting: int) -> None:
+    def _add(self, account: str, allocated: int, waiting: int, borrowed: int = 0) -> None:
         """Add to ``account`` and every account above it."""
         chain = self._chains.get(account)
         if chain is None:
             return
-        if allocated:
-            counts = self.allocated
-            for node in chain:
-                counts[node.name] = counts.get(node.name, 0) + allocated
-        if waiting:
-            counts = self.waiting
-            for node in chain:
-                counts[node.name] = counts.get(node.name, 0) + waiting
+        for amount, counts in ((allocated, self.allocated), (waiting, self.waiting), (borrowed, self.borrowed)):
+            if amount:
+                for node in chain:
+                    counts[node.name] = counts.get(node.name, 0) + amount
 
     def room(self, account: str, memory: int) -> str | None:
         """Whether ``account`` may take ``memory`` more bytes now: None (within every quota on its path),
-        ``over_quota`` (it would borrow) or ``limit`` (it would pass a limit on its path)."""
+        ``over_quota`` (it would borrow) or ``limit`` (it would pass a limit on its path).
+
+        A quota is held against what is *not* borrowed: an account's containers that are over quota (and may
+        be reclaimed) use no part of any quota on their path, so a team within its own quota is never turned
+        away because a sibling borrowed its part; a limit caps everything.
+        """
         chain = self._chains.get(account)
         if chain is None:
             return None
         verdict = None
-        allocated = self.allocated
+        allocated, borrowed = self.allocated, self.borrowed
         for node in chain:
             held = allocated.get(node.name, 0) + memory
             if node.limit is not None and held > node.limit:
                 return "limit"
-            if held > node.quota:
+            if held - borrowed.get(node.name, 0) > node.quota:
                 verdict = "over_quota"
         return verdict
+
+    def borrow(self, record: Container) -> None:
+        """Live ``record`` borrows from now on (a resize grew it past its quota): it is over quota, reclaimable."""
+        if record.account is not None and not record.over_quota:
+            record.over_quota = True
+            self._add(record.account, 0, 0, record.gpu_memory * record.count)
 
     def never(self, account: str, memory: int) -> str | None:
         """The account on ``account``'s path whose limit ``memory`` alone passes (it can never run), or None."""
@@ -107,7 +117,7 @@ class Quotas:
                 if sign > 0:  # granted: it borrows if its account passes a quota with it, fixed from now
                     record.over_quota = self.room(record.account, total) is not None
                     record.granted_mono = self.clock.monotonic()
-                self._add(record.account, sign * total, 0)
+                self._add(record.account, sign * total, 0, sign * total if record.over_quota else 0)
         if record.tenant is None:
             return
         use = self._usage.setdefault(record.tenant, Usage())
@@ -124,8 +134,9 @@ class Quotas:
     def resized(self, record: Container, delta: int) -> None:
         """``record``'s grant per GPU changes by ``delta`` bytes."""
         if record.account is not None:
-            queued = record.state is State.QUEUED
-            self._add(record.account, 0 if queued else delta * record.count, delta * record.count if queued else 0)
+            queued, change = record.state is State.QUEUED, delta * record.count
+            self._add(record.account, 0 if queued else change, change if queued else 0,
+                      change if record.over_quota and not queued else 0)
         if record.tenant is None:
             return
         use = self._usage.setdefault(record.tenant, Usage())

@@ -70,7 +70,7 @@ class Resizer:
         op = self.life.begin(record, OpKind.RESIZE, self.timeout, old=old, new=memory)
         assert op is not None
         if delta > 0 and borrows:
-            record.over_quota = True  # grown past its account's quota: the growth borrows, and reclaim may stop it
+            self.life.quotas.borrow(record)  # grown past its account's quota: it borrows, and reclaim may stop it
         self.life.quotas.resized(record, delta)
         record.gpu_memory = memory
         self.ledger.rehold(record, max(record.held, memory))  # a grow is held now; a shrink once enforced

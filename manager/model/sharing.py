@@ -147,51 +147,33 @@ class FairWalk:
         """
         if self.paused() or head.account is None:
             return False
-        dispatch, tree, records = self.dispatch, self.tree, self.ledger.records
-        chosen_before = dispatch.making_room.get(head.id, set())
-        stopping = [records[v] for v in chosen_before if v in records and records[v].state in
-                    (State.CREATING, State.RUNNING) and records[v].desired is State.PREEMPTED]
+        dispatch = self.dispatch
+        if self._being_made(head, shares):
+            return True
+        judge = _Judge(self, head, shares)
+        return self._stop_for(head, dispatch.cheapest_victims(head, judge.eligible, judge.order), judge, shares)
+
+    def _being_made(self, head: Container, shares: Shares) -> bool:
+        records = self.ledger.records
+        stopping = [records[v] for v in self.dispatch.making_room.get(head.id, ()) if v in records and
+                    records[v].state in (State.CREATING, State.RUNNING) and records[v].desired is State.PREEMPTED]
         if stopping:  # its room is being made
             self._count_as_done(head, stopping, shares)
-            return True
-        need = float(head.gpu_memory * head.count)
-        now = self.life.clock.monotonic()
-        sides: dict[str, tuple[str, str] | None] = {}
+        return bool(stopping)
 
-        def side(victim: Container) -> tuple[str, str] | None:
-            account = victim.account or ""
-            if account not in sides:
-                split = tree.split(head.account or "", account) if account in tree else None
-                sides[account] = split if split is not None and shares.ratio(split[0]) < 1.0 < \
-                    shares.ratio(split[1]) else None
-            return sides[account]
-
-        def eligible(victim: Container) -> bool:
-            if not (victim.over_quota and victim.state is State.RUNNING and victim.desired is State.RUNNING
-                    and victim.op is None and victim.account != head.account and dispatch.may_stop(victim, now)):
-                return False
-            if now - victim.granted_mono < tree[victim.account or ""].reclaim_min_runtime:
-                return False
-            split = side(victim)
-            return split is not None and allowed(shares, split[0], need, split[1],
-                                                 float(victim.gpu_memory * victim.count))
-
-        def order(victim: Container) -> tuple[float, int, float]:
-            split = side(victim)
-            return (-shares.ratio(split[1]) if split else 0.0, victim.priority, -victim.created_at)
-
-        victims = dispatch.cheapest_victims(head, eligible, order)
+    def _stop_for(self, head: Container, victims: list[Container], judge: _Judge, shares: Shares) -> bool:
+        """Stop ``victims`` for ``head`` if, together, they keep Kueue's rule for every side they are taken from."""
         if not victims:
             return False
         taken: dict[tuple[str, str], float] = {}
         for victim in victims:
-            split = side(victim)
+            split = judge.side(victim)
             assert split is not None
             taken[split] = taken.get(split, 0.0) + victim.gpu_memory * victim.count
-        if not all(allowed(shares, mine, need, theirs, amount) for (mine, theirs), amount in taken.items()):
+        if not all(allowed(shares, mine, judge.need, theirs, amount) for (mine, theirs), amount in taken.items()):
             return False  # together they would take the victims' side below the reclaimer's: no loop is started
         self.reclaims += 1
-        dispatch.making_room[head.id] = {v.id for v in victims}
+        self.dispatch.making_room[head.id] = {v.id for v in victims}
         for victim in victims:
             self.life.desire(victim, State.PREEMPTED, "reclaimed", preempted_for=head.id,
                              reclaimed_for_account=head.account)
@@ -218,3 +200,37 @@ class FairWalk:
         return [{**tree[name].view(), "fair_share": round(shares.fair.get(name, 0.0)),
                  "allocated": int(shares.allocated.get(name, 0)), "requested": int(shares.requested.get(name, 0)),
                  "waiting": int(waiting.get(name, 0))} for name in sorted(names)]
+
+
+class _Judge:
+    """Which running containers reclaim may stop for ``head``, and in which order (see the module docstring)."""
+
+    def __init__(self, walk: FairWalk, head: Container, shares: Shares) -> None:
+        self.walk, self.head, self.shares, self.tree = walk, head, shares, walk.tree
+        self.need = float(head.gpu_memory * head.count)
+        self.now = walk.life.clock.monotonic()
+        self.sides: dict[str, tuple[str, str] | None] = {}
+
+    def side(self, victim: Container) -> tuple[str, str] | None:
+        """The two sides under the lowest common parent, if the victim's is above its share and the head's below."""
+        account = victim.account or ""
+        if account not in self.sides:
+            split = self.tree.split(self.head.account or "", account) if account in self.tree else None
+            self.sides[account] = split if split is not None and self.shares.ratio(split[0]) < 1.0 < \
+                self.shares.ratio(split[1]) else None
+        return self.sides[account]
+
+    def eligible(self, victim: Container) -> bool:
+        if not (victim.over_quota and victim.state is State.RUNNING and victim.desired is State.RUNNING
+                and victim.op is None and victim.account != self.head.account
+                and self.walk.dispatch.may_stop(victim, self.now)):
+            return False
+        if self.now - victim.granted_mono < self.tree[victim.account or ""].reclaim_min_runtime:
+            return False
+        split = self.side(victim)
+        return split is not None and allowed(self.shares, split[0], self.need, split[1],
+                                             float(victim.gpu_memory * victim.count))
+
+    def order(self, victim: Container) -> tuple[float, int, float]:
+        split = self.side(victim)
+        return (-self.shares.ratio(split[1]) if split else 0.0, victim.priority, -victim.created_at)

@@ -267,20 +267,25 @@ class MapReads:
             return found + self._accounts_check()
 
     def _accounts_check(self) -> list[str]:
-        """Every account's allocated and waiting bytes equal its records' sums (with accounts configured)."""
+        """Every account's allocated, borrowed and waiting bytes equal its records' sums (with accounts)."""
         tree = self.quotas.accounts
         if tree is None:
             return []
-        sums: dict[tuple[str, bool], int] = {}
+        sums: dict[tuple[str, str], int] = {}
         for record in self.ledger.records.values():
             live = record.state in LIVE
             if (live or record.state is State.QUEUED) and record.account in tree:
+                kinds = ("allocated", "borrowed") if live and record.over_quota else \
+                    ("allocated",) if live else ("waiting",)
                 for name in tree[record.account or ""].path:
-                    sums[name, live] = sums.get((name, live), 0) + record.gpu_memory * record.count
+                    for kind in kinds:
+                        sums[name, kind] = sums.get((name, kind), 0) + record.gpu_memory * record.count
         found = []
+        quotas = self.quotas
         for name in tree.accounts:
-            for live, counted in ((True, self.quotas.allocated), (False, self.quotas.waiting)):
-                if counted.get(name, 0) != sums.get((name, live), 0):
-                    found.append(f"account {name} counts {counted.get(name, 0)} bytes "
-                                 f"{'allocated' if live else 'waiting'}, its records {sums.get((name, live), 0)}")
+            for kind, counted in (("allocated", quotas.allocated), ("waiting", quotas.waiting),
+                                  ("borrowed", quotas.borrowed)):
+                if counted.get(name, 0) != sums.get((name, kind), 0):
+                    found.append(f"account {name} counts {counted.get(name, 0)} bytes {kind}, its records "
+                                 f"{sums.get((name, kind), 0)}")
         return found
