@@ -206,7 +206,13 @@ class Manager:
         """
         self.leading.check()
         gang, commands = self.cluster.submit_gang(spec, queue=queue, queue_timeout=queue_timeout, tenant=tenant)
-        if not commands:
+        if not commands:  # it waits: answered 202 only once its journal entry is durable, or not kept at all
+            try:
+                self.cluster.journal.sync()
+            except (OSError, GpumgrError) as exc:
+                self.cluster.remove_gang(gang.id)
+                raise exc if isinstance(exc, GpumgrError) else \
+                    StoreUnavailable(f"the queue could not be written ({exc}); nothing was kept") from exc
             return self.cluster.gang_views(OPERATOR, gang.id)[0], 202
         self.send(commands)
         for command in commands:

@@ -174,15 +174,18 @@ def test_a_gang_survives_a_kill_9_of_the_manager_and_still_ends_as_one(tmp_path,
     manager = ManagerProc(tmp_path)
     agents = [AgentProc(tmp_path, manager, node, gpus="sim:1x8GiB") for node in nodes]
     try:
-        made = gang(manager, test_image, 2)
+        made = gang(manager, test_image, 2, gpu_memory="6GiB")
         assert made.status_code == 201, made.text
         before = made.json()
+        waiting = gang(manager, test_image, 2, gpu_memory="6GiB", queue=True)  # no room: it waits whole
+        assert waiting.status_code == 202, waiting.text
         manager.stop(signal.SIGKILL)
         manager = ManagerProc(tmp_path, api_port=manager.api_port, agent_port=manager.agent_port)
         rebuilt = wait_for(lambda: (r := manager.get(f"/v1/gangs/{before['id']}")).status_code == 200
                            and r.json()["state"] == "running" and r.json(), 30, what="the gang rebuilt")
         for key in ("members", "rdzv_id", "master_addr", "master_port", "replicas"):
             assert rebuilt[key] == before[key], key
+        assert gang_state(manager, waiting.json()["id"])["state"] == "queued"  # its 202 survived the kill
         victim = manager.get(f"/v1/containers/{before['members'][0]}").json()
         docker_client.api.kill(victim["container_id"])
         ended = wait_for(lambda: (v := gang_state(manager, before["id"]))["state"] == "failed" and v, 30,
@@ -190,6 +193,8 @@ def test_a_gang_survives_a_kill_9_of_the_manager_and_still_ends_as_one(tmp_path,
         assert "member 0" in ended["reason"]
         wait_for(lambda: manager.get(f"/v1/containers/{before['members'][1]}").json()["state"] == "removed", 20,
                  what="the other member stopped")
+        wait_for(lambda: gang_state(manager, waiting.json()["id"])["state"] == "running", 30,
+                 what="the gang that waited through the restart placed whole")
         settles(manager, docker_client, set(nodes))
     finally:
         for agent in agents:

@@ -295,3 +295,25 @@ def test_delete_of_an_ended_gang_removes_its_members_containers() -> None:
     world.answer(removals)
     assert all(world.cluster.get(m).state is State.REMOVED for m in gang.members)
     world.check()
+
+
+def test_a_waiting_gang_is_one_journal_entry_and_waits_again_after_a_restart(tmp_path) -> None:
+    from gpumgr.manager.model.queue import QueueJournal
+
+    world = Map()
+    world.cluster.journal = world.cluster.life.journal = QueueJournal(tmp_path)
+    busy, create = world.cluster.submit(member())
+    world.answer(create)
+    gid, _ = world.gang(4, queue=True, restart="gang", max_restarts=1)
+    entries = QueueJournal(tmp_path).load()
+    assert [e["id"] for e in entries] == [gid] and entries[0]["gang"]["replicas"] == 4
+    again = Map()  # a new manager process on the same state directory (its nodes have registered again)
+    again.cluster.journal = again.cluster.life.journal = QueueJournal(tmp_path)
+    assert again.cluster.restore_queue(again.cluster.journal.load()) == 1
+    view = again.view(gid)
+    assert view["state"] == "queued" and view["rdzv_id"] == world.view(gid)["rdzv_id"]
+    assert view["max_restarts"] == 1 and view["replicas"] == 4
+    again.dispatch()
+    assert again.view(gid)["state"] == "running"
+    assert QueueJournal(tmp_path).load() == []  # placed: its entry is gone
+    again.check()

@@ -360,8 +360,9 @@ class Cluster(Terms, MapReads):
             placed, self._hooks_placed = [r for r in self._hooks_placed if r.state is State.CREATING], []
             commands += [c for r in self._victims() if (c := self.reconciler.follow_up(r)) is not None]
             commands += self.gangs.dispatch()
-            if self.journal.needs_compaction(len(self.queue)):
-                self.journal.rewrite([self.life.journal_entry(self.ledger.records[c]) for c in self.queue.ids()])
+            if self.journal.needs_compaction(len(self.queue) + len(self.gangs.waiting)):
+                self.journal.rewrite([self.life.journal_entry(self.ledger.records[c]) for c in self.queue.ids()]
+                                     + self.gangs.journal_entries())
         return commands, placed
 
     # --- gangs ---------------------------------------------------------------------------------
@@ -414,7 +415,12 @@ class Cluster(Terms, MapReads):
     def restore_queue(self, entries: list[dict[str, Any]]) -> int:
         """Queue again the requests a previous manager process kept in its journal; return how many."""
         with self.lock:
-            restored = self.dispatcher.restore(entries)
+            restored = self.dispatcher.restore([e for e in entries if "gang" not in e])
+            gangs = self.gangs.restore([e for e in entries if "gang" in e])
+            if gangs:  # the journal is started afresh holding the queue's requests and the waiting gangs
+                self.journal.open([self.life.journal_entry(self.ledger.records[c]) for c in self.queue.ids()]
+                                  + self.gangs.journal_entries())
+            restored += gangs
         if restored:
             self.events.record(EventType.QUEUED, f"{restored} queued request(s) restored after a manager restart")
         return restored

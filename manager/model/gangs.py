@@ -24,9 +24,10 @@ restart), with the same ``PET_RDZV_ID``. Called under the ledger's lock.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from gpumgr.manager.model.dispatch import constraints_of, request_for, take_slots
@@ -39,6 +40,7 @@ from gpumgr.wire.errors import Conflict, NoAgents, NoFit, NotFound
 from gpumgr.wire.names import LIVE, EventType, State
 from gpumgr.wire.units import format_bytes
 
+log = logging.getLogger(__name__)
 #: Environment names a gang's request may not set: gpumgr sets them.
 RESERVED_ENV = ("GPUMGR_GANG", "PET_")
 #: A gang's states: as a record's, plus ``restarting`` while a failed gang's members stop before it is placed again.
@@ -148,7 +150,7 @@ class Gangs:
             gang.queued_at, gang.waiting_mono = gang.created_at, self.life.clock.monotonic()
             if queue_timeout is not None:
                 gang.expires_mono = self.life.clock.monotonic() + queue_timeout
-            self.waiting.append(gang.id)
+            self._wait(gang)
             self.life.events.record(EventType.QUEUED, f"gang {gang.id} of {spec.replicas} waits for room for every "
                                     f"member at once: {exc.message}", gang=gang.id)
             return gang, []
@@ -316,7 +318,7 @@ class Gangs:
             gang.restart_pending = False
             gang.restart_count += 1
             gang.state, gang.members, gang.waiting_mono = "queued", [], self.life.clock.monotonic()
-            self.waiting.append(gang.id)
+            self._wait(gang)
 
     def remove(self, gid: str) -> Gang:
         """``DELETE``: a waiting gang is withdrawn; a placed one ends ``removed`` and its members are stopped."""
@@ -326,7 +328,7 @@ class Gangs:
         if gang.state in GANG_ENDED:
             return gang
         if gang.state == "queued":
-            self.waiting.remove(gang.id)
+            self._unwait(gang)
             self._release_holds()
             gang.state, gang.reason, gang.finished_at = "removed", "withdrawn before it was placed", \
                 self.life.clock.time()
@@ -352,7 +354,7 @@ class Gangs:
         for gid in list(self.waiting):
             gang = self.gangs[gid]
             if gang.expires_mono is not None and now >= gang.expires_mono:
-                self.waiting.remove(gid)
+                self._unwait(gang)
                 gang.state, gang.reason, gang.finished_at = "expired", "its queue_timeout ran out", \
                     self.life.clock.time()
                 continue
@@ -362,10 +364,63 @@ class Gangs:
                                  gang.spec.one_per_node)
             except (NoFit, NoAgents):
                 continue
-            self.waiting.remove(gid)
+            self._unwait(gang)
             commands += self._start(gang, plan)
         self._hold_for_head(now)
         return commands
+
+    # --- waiting, kept in the queue's journal ----------------------------------------------------
+    def _wait(self, gang: Gang) -> None:
+        """``gang`` waits whole: one entry in the queue's journal (the state directory's, or etcd's)."""
+        self.waiting.append(gang.id)
+        self.life.journal.add(self.journal_entry(gang))
+        self.ledger.wake.set()
+
+    def _unwait(self, gang: Gang) -> None:
+        self.waiting.remove(gang.id)
+        self.life.journal.remove(gang.id)
+
+    def journal_entry(self, gang: Gang) -> dict[str, Any]:
+        """What the journal keeps of a waiting gang: enough to wait again after a restart or failover."""
+        wall = self.life.clock.time() - self.life.clock.monotonic()
+        spec = gang.spec
+        return {"id": gang.id, "gang": {
+            "member": asdict(spec.member), "replicas": spec.replicas, "one_per_node": spec.one_per_node,
+            "restart": spec.restart, "max_restarts": spec.max_restarts, "network": spec.network,
+            "tenant": gang.tenant, "created_at": gang.created_at, "queued_at": gang.queued_at,
+            "rdzv_id": gang.rdzv_id, "restart_count": gang.restart_count,
+            "expires_at": None if gang.expires_mono is None else gang.expires_mono + wall}}
+
+    def journal_entries(self) -> list[dict[str, Any]]:
+        """Every waiting gang's entry, first come first (a compaction of the journal writes them again)."""
+        return [self.journal_entry(self.gangs[g]) for g in self.waiting]
+
+    def restore(self, entries: list[dict[str, Any]]) -> int:
+        """Wait again for the gangs a previous manager process (or leader) kept in the journal; return how many."""
+        restored = 0
+        wall = self.life.clock.time() - self.life.clock.monotonic()
+        for entry in entries:
+            try:
+                body = entry["gang"]
+                member = PlacementSpec(**body["member"])
+                request_for(member, member.memory)  # its constraints must read as they did
+                spec = GangSpec(member, int(body["replicas"]), bool(body["one_per_node"]), str(body["restart"]),
+                                int(body["max_restarts"]), body.get("network"))
+                gang = Gang(str(entry["id"]), spec, body.get("tenant"), float(body["created_at"]),
+                            str(body["rdzv_id"]), restart_count=int(body.get("restart_count", 0)),
+                            queued_at=body.get("queued_at"))
+                expires = body.get("expires_at")
+                gang.expires_mono = None if expires is None else float(expires) - wall
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("queue journal entry of a gang skipped: %s", exc)
+                continue
+            if gang.id in self.gangs:
+                continue
+            gang.waiting_mono = self.life.clock.monotonic()
+            self.gangs[gang.id] = gang
+            self.waiting.append(gang.id)
+            restored += 1
+        return restored
 
     def _hold_for_head(self, now: float) -> None:
         """Hold room for the waiting gang at the head (highest priority, then first come) once it waited
