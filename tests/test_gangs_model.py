@@ -302,7 +302,7 @@ def test_a_waiting_gang_is_one_journal_entry_and_waits_again_after_a_restart(tmp
 
     world = Map()
     world.cluster.journal = world.cluster.life.journal = QueueJournal(tmp_path)
-    busy, create = world.cluster.submit(member())
+    _, create = world.cluster.submit(member())
     world.answer(create)
     gid, _ = world.gang(4, queue=True, restart="gang", max_restarts=1)
     entries = QueueJournal(tmp_path).load()
