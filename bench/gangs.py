@@ -23,24 +23,23 @@ the gang's wait (submit → running; ``never`` past the horizon) against the bou
 longest small job, how often the held GPUs moved to others, the room held unused (GPU-seconds of
 ``gang_hold``, and its share of the capacity while the gang waited), the small jobs' waits, and their
 extra wait against the same jobs without the reservation (paired; all of them, and those that arrived
-while room was held). A what-if (left out with ``--no-sticky``) runs the same seeds with the held GPUs
-kept from the first choice until the gang is placed (:func:`sticky_holds`).
+while room was held). The GPUs held for the head gang are chosen once and kept
+while it stays the head (they were chosen again at each dispatch before; §27 says what that cost).
 
     python bench/gangs.py [--nodes 1000] [--gpus 8] [--fill 0.8] [--empty 0.1] [--members 64] [--reps 100] [--seed 1]
                           [--sim-nodes 32] [--gang 16] [--load 0.9] [--seeds 8] [--warmup 1800] [--hours 3]
-                          [--gang-runtime 0] [--reserve-after 300 60] [--no-sticky] [--json PATH]
+                          [--gang-runtime 0] [--reserve-after 300 60] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import heapq
 import itertools
 import random
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.fairshare import Logical, poisson
 from bench.harness import GiB, machine, machine_line, pct, save, summary, table
 from bench.scheduler import build
-from gpumgr.manager.model import gangs as gangs_module
 from gpumgr.manager.model.cluster import Cluster
 from gpumgr.manager.model.dispatch import request_for
 from gpumgr.manager.model.gangs import Gang, GangSpec
 from gpumgr.manager.model.records import Command, OpKind, PlacementSpec
-from gpumgr.manager.placing.free_index import FreeIndex, GpuSlot
-from gpumgr.manager.placing.gang import hold_targets, plan_gang
-from gpumgr.manager.placing.scheduler import Request
+from gpumgr.manager.placing.gang import plan_gang
 from gpumgr.wire.errors import NoFit
 from gpumgr.wire.names import State
 from gpumgr.wire.protocol import ContainerReport, GpuInfo, Reply
@@ -279,42 +275,13 @@ class Stream:
                 "still_queued": len(self.arrived), "longest_small_s": SMALL_RUNTIME[1]}
 
 
-@contextlib.contextmanager
-def sticky_holds() -> Iterator[None]:
-    """What if the GPUs first chosen to hold room for the head gang stayed chosen until it is placed?
-
-    The model chooses them again at every dispatch, by their free memory then, so a GPU that frees
-    faster elsewhere takes a held one's place, and the room held there goes back to the small jobs.
-    """
-    chosen: list[str] = []
-
-    def targets(index: FreeIndex, request: Request, replicas: int,
-                one_per_node: bool = True) -> list[tuple[GpuSlot, int]]:
-        slots = {s.uuid: s for group in index.by_node.values() for s in group}
-        if chosen and all(uuid in slots for uuid in chosen):
-            return [(slots[uuid], request.memory) for uuid in chosen]
-        fresh = hold_targets(index, request, replicas, one_per_node)
-        chosen[:] = [slot.uuid for slot, _ in fresh]
-        return fresh
-
-    saved = gangs_module.hold_targets
-    gangs_module.hold_targets = targets  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        gangs_module.hold_targets = saved
-
-
 def starvation(args: argparse.Namespace) -> dict[str, Any]:
     """Part 2: each seed without the reservation and at each ``--reserve-after``; the figures per setting."""
     settings = [("off", float("inf"))] + [(f"{r:g} s", r) for r in args.reserve_after]
-    if args.sticky:
-        settings += [(f"{r:g} s, sticky (what-if)", r) for r in args.reserve_after]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in settings}
     for seed in range(1, args.seeds + 1):
         for name, after in settings:
-            with sticky_holds() if "sticky" in name else contextlib.nullcontext():
-                runs[name].append(Stream(args, seed, after).run())
+            runs[name].append(Stream(args, seed, after).run())
     out = {name: figures(runs[name], runs["off"], after, args) for name, after in settings}
     horizon = args.hours * 3600
     table([(f"gang of {args.gang} x 1 GPU, {args.sim_nodes} GPUs, load {args.load:g}", "44"),
@@ -379,8 +346,6 @@ def main(argv: list[str] | None = None) -> int:
     for flag, default in OPTIONS.items():
         parser.add_argument(flag, type=type(default), default=default)
     parser.add_argument("--reserve-after", type=float, nargs="+", default=[300.0, 60.0])
-    parser.add_argument("--no-sticky", dest="sticky", action="store_false",
-                        help="leave out the what-if rows whose held GPUs stay chosen")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     info = machine()

@@ -120,14 +120,16 @@ class Gangs:
         self.exit_grace = defaults.GANG_EXIT_GRACE
         self.node_grace = defaults.GANG_GRACE
         self.reserve_after = defaults.GANG_RESERVE_AFTER
-        #: GPUs holding room for the head gang (uuid → gang id), released and chosen again at each dispatch
+        #: GPUs holding room for the head gang (uuid → gang id), released and held again at each dispatch
         self.holding: dict[str, str] = {}
+        #: the head gang's held GPUs and bytes, kept while it stays the head and its GPUs stay schedulable
+        self.hold_plan: tuple[str, list[tuple[str, int]]] | None = None
         life.member_ended = self.member_ended
         life.member_adopted = self.adopted
 
     def clear(self) -> None:
         """Forget every gang (the map starts from nothing)."""
-        self.gangs, self.waiting, self.ports, self.holding = {}, [], {}, {}
+        self.gangs, self.waiting, self.ports, self.holding, self.hold_plan = {}, [], {}, {}, None
 
     # --- placing ---------------------------------------------------------------------------------
     def submit(self, spec: GangSpec, *, tenant: Tenant | None, queue: bool,
@@ -431,10 +433,17 @@ class Gangs:
             return
         head = max(waited, key=lambda g: (g.spec.member.priority, -(g.waiting_mono or 0.0)))
         member = head.spec.member
-        for gpu, held in hold_targets(self.ledger.index, request_for(member, member.memory), head.spec.replicas,
-                                      head.spec.one_per_node):
-            self.ledger.hold_for_gang(gpu, held)  # type: ignore[arg-type]  # the index holds the map's Gpus
-            self.holding[gpu.uuid] = head.id
+        kept = self.hold_plan if self.hold_plan is not None and self.hold_plan[0] == head.id else None
+        if kept is None or not all((g := self.ledger.gpus.get(uuid)) is not None and g in self.ledger.index
+                                   for uuid, _ in kept[1]):
+            # chosen once and kept while the head and its GPUs stay: choosing again at each dispatch moves
+            # the held room to wherever happens to be freest, and the gang waits past its bound (§27)
+            targets = hold_targets(self.ledger.index, request_for(member, member.memory), head.spec.replicas,
+                                   head.spec.one_per_node)
+            kept = self.hold_plan = (head.id, [(gpu.uuid, held) for gpu, held in targets])
+        for uuid, held in kept[1]:
+            self.ledger.hold_for_gang(self.ledger.gpus[uuid], held)
+            self.holding[uuid] = head.id
 
     def _release_holds(self) -> None:
         for uuid in list(self.holding):
