@@ -4,7 +4,8 @@ For every GPU the live grants sum to at most its memory minus the headroom (and 
 map shows as reserved); every live grant belongs to exactly one container that exists in the engine,
 or is still being created with a deadline; every container that runs under gpumgr holds exactly one
 live grant; every record that ended carries its final state, reason, ``finished_at`` (and exit code,
-where it exited or was killed) and exactly one final event. Every fault test ends with
+where it exited or was killed) and exactly one final event; and no gang is partly placed (a waiting gang
+has no members, a placed one has every member). Every fault test ends with
 :func:`settles`, which waits at most two heartbeats for it to hold.
 """
 
@@ -127,6 +128,16 @@ def violations(manager: Any, docker_client: Any, nodes: set[str]) -> list[str]:
             found.append(f"{record['state']} record {record['id']} lacks {', '.join(missing)}")
         if record["finished_at"] and record["finished_at"] >= oldest_event and finals[record["id"]] != 1:
             found.append(f"{record['state']} record {record['id']} has {finals[record['id']]} final events")
+    # 6. no gang is partly placed: a waiting gang has no members, a placed one every member, none queued
+    by_id = {r["id"]: r for r in records}
+    for gang in manager.get("/v1/gangs").json()["gangs"]:
+        if gang["state"] == "queued" and gang["members"]:
+            found.append(f"waiting gang {gang['id']} has members {gang['members']}")
+        elif gang["state"] in LIVE:
+            placed = [m for m in gang["members"] if m in by_id and by_id[m]["state"] != "queued"]
+            if len(placed) != gang["replicas"]:
+                found.append(f"gang {gang['id']} ({gang['state']}) is partly placed: {len(placed)} of "
+                             f"{gang['replicas']}")
     return found
 
 
