@@ -97,7 +97,8 @@ def test_accounts_list_the_tree_with_fair_shares_and_a_tenant_sees_only_its_path
     assert (borrowed["account"], borrowed["over_quota"]) == ("prod", True)
     assert manager.get(f"/v1/containers/{borrowed['id']}").json()["over_quota"] is True
     # past its quota, prod borrows only with preemptible requests: one that will not wait is a 409 of its own
-    refused = session(BOB).post(manager.url + "/v1/containers", json=job("unused", "1GiB"), timeout=90)
+    # (what prod borrows uses none of its quota: 3 GiB more of its own 2 GiB is past it)
+    refused = session(BOB).post(manager.url + "/v1/containers", json=job("unused", "3GiB"), timeout=90)
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "over_quota", refused.text
     # the Python client gives the same, typed
     typed = Client(manager.url, OPERATOR).accounts()

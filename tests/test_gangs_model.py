@@ -317,3 +317,28 @@ def test_a_waiting_gang_is_one_journal_entry_and_waits_again_after_a_restart(tmp
     assert again.view(gid)["state"] == "running"
     assert QueueJournal(tmp_path).load() == []  # placed: its entry is gone
     again.check()
+
+
+def test_with_accounts_a_gang_waits_and_borrows_as_one_request_of_its_whole_bytes() -> None:
+    from gpumgr.manager.tenancy.accounts import AccountConfig, build_accounts
+    from gpumgr.manager.tenancy.tenants import Tenant, TenantBook
+    from gpumgr.wire.errors import Conflict
+
+    world = Map()
+    team = Tenant("team", b"team-token-0123456789", None, None, 5)
+    world.cluster.tenants = TenantBook({"team": team}, "operator-token-0000")
+    world.cluster.accounts = build_accounts({"a": AccountConfig(quota={"gpu_memory": 2 * G})}, {"team": "a"})
+    with pytest.raises(Conflict) as refused:  # 3 × 8 GiB past a's 16 GiB, and not preemptible
+        world.cluster.submit_gang(GangSpec(member(), 3), tenant=team)
+    assert refused.value.code == "over_quota"
+    waiting, _ = world.cluster.submit_gang(GangSpec(member(), 3), tenant=team, queue=True)
+    view = {a["name"]: a for a in world.cluster.accounts_view(OPERATOR) or []}
+    assert view["a"]["waiting"] == 3 * G and view["a"]["requested"] == 3 * G  # one request, its whole bytes
+    world.dispatch()
+    assert world.view(waiting.id)["state"] == "queued"
+    world.cluster.remove_gang(waiting.id)
+    borrowing, commands = world.cluster.submit_gang(GangSpec(member(preemptible=True), 3), tenant=team)
+    world.answer(commands)
+    members = [world.cluster.get(m) for m in borrowing.members]
+    assert world.view(borrowing.id)["state"] == "running" and [m.over_quota for m in members] == [False, False, True]
+    world.check()

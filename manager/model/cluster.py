@@ -90,6 +90,7 @@ class Cluster(Terms, MapReads):
         self.dispatcher.fair.paused = lambda: self.reconciler.disrupted  # the zone rule pauses reclaim
         self.gangs = Gangs(self.life, self.reconciler.follow_up, lambda: self.new_id(), lambda: self.create_timeout,
                            lambda: self.reconciler.disrupted)
+        self.dispatcher.fair.gangs_waiting = self.gangs.waiting_by_account
         #: a node answered a command (``reply``), or did not (``error``): the follow-up commands (under the lock)
         self.settle: Callable[..., list[Command]] = self.replies.answer
         self.queue_max = defaults.QUEUE_MAX

@@ -144,6 +144,9 @@ class Gangs:
         gang = Gang(cid, spec, tenant.name if tenant is not None else member.tenant, self.life.clock.time(),
                     rdzv_id=os.urandom(8).hex())
         try:
+            if not self._account_allows(gang):
+                self._over_quota(gang, queue)
+                raise NoFit("its account may not run it now: it waits for its account's allocation to fall")
             plan = plan_gang(self.ledger.index, request_for(member, member.memory), spec.replicas, spec.one_per_node)
         except (NoFit, NoAgents) as exc:
             if not queue:
@@ -158,6 +161,20 @@ class Gangs:
             return gang, []
         self.gangs[gang.id] = gang
         return gang, self._start(gang, plan)
+
+    def _over_quota(self, gang: Gang, queue: bool) -> None:
+        """``409 over_quota`` for a gang its account may not run now, unless it will wait (or never, at a limit)."""
+        quotas, total = self.life.quotas, self.total(gang)
+        assert quotas.accounts is not None
+        account = quotas.accounts.account_of(gang.tenant)
+        never = quotas.never(account, total)
+        if never is not None:
+            raise Conflict(f"account {never}'s limit is below this gang's {format_bytes(total)} in all: it can never "
+                           "run; nothing was queued", code="over_quota")
+        if not queue:
+            raise Conflict(f"account {account} may not run this gang of {format_bytes(total)} now (past its quota a "
+                           "gang runs only if preemptible, and never past a limit); send \"queue\": true to wait",
+                           code="over_quota")
 
     def _check_could_fit(self, spec: GangSpec) -> None:
         member = spec.member
@@ -361,6 +378,8 @@ class Gangs:
                     self.life.clock.time()
                 continue
             wanted = gang.spec.member
+            if not self._account_allows(gang):
+                continue
             try:
                 plan = plan_gang(self.ledger.index, request_for(wanted, wanted.memory), gang.spec.replicas,
                                  gang.spec.one_per_node)
@@ -392,6 +411,31 @@ class Gangs:
             "tenant": gang.tenant, "created_at": gang.created_at, "queued_at": gang.queued_at,
             "rdzv_id": gang.rdzv_id, "restart_count": gang.restart_count,
             "expires_at": None if gang.expires_mono is None else gang.expires_mono + wall}}
+
+    def waiting_by_account(self) -> dict[str, int]:
+        """The bytes each leaf account's waiting gangs ask for (with accounts configured)."""
+        accounts = self.life.quotas.accounts
+        found: dict[str, int] = {}
+        if accounts is not None:
+            for gid in self.waiting:
+                gang = self.gangs[gid]
+                leaf = accounts.account_of(gang.tenant)
+                found[leaf] = found.get(leaf, 0) + self.total(gang)
+        return found
+
+    @staticmethod
+    def total(gang: Gang) -> int:
+        """What a gang asks for in all: its members' bytes × GPUs."""
+        member = gang.spec.member
+        return member.memory * member.count * gang.spec.replicas
+
+    def _account_allows(self, gang: Gang) -> bool:
+        """With accounts: whether the gang's account may run it now (as one request of its whole bytes)."""
+        quotas = self.life.quotas
+        if quotas.accounts is None:
+            return True
+        verdict = quotas.room(quotas.accounts.account_of(gang.tenant), self.total(gang))
+        return verdict is None or (verdict == "over_quota" and gang.spec.member.preemptible)
 
     def journal_entries(self) -> list[dict[str, Any]]:
         """Every waiting gang's entry, first come first (a compaction of the journal writes them again)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from gpumgr.manager.fairshare.reclaim import allowed
@@ -70,6 +70,8 @@ class FairWalk:
         self.paused: Callable[[], bool] = lambda: False
         #: how many reclaims were planned (each may stop several containers)
         self.reclaims = 0
+        #: the waiting gangs' bytes per leaf account (set by the cluster: :meth:`Gangs.waiting_by_account`)
+        self.gangs_waiting: Callable[[], dict[str, int]] = dict
 
     @property
     def tree(self) -> AccountTree:
@@ -84,7 +86,11 @@ class FairWalk:
     def shares(self) -> Shares:
         """This moment's fair shares, allocations and requests of every account."""
         quotas = self.life.quotas
-        return compute(self.tree, quotas.allocated, quotas.waiting, self.capacity())
+        waiting: Mapping[str, float] = quotas.waiting
+        gangs = self.gangs_waiting()
+        if gangs:  # a waiting gang asks for the sum of its members' bytes, as one request
+            waiting = {**quotas.waiting, **{a: quotas.waiting.get(a, 0) + b for a, b in gangs.items()}}
+        return compute(self.tree, quotas.allocated, waiting, self.capacity())
 
     def walk(self, own: str | None, own_waits: bool) -> list[Container]:
         """Place queued requests while they fit, accounts below their fair share first; return those placed."""
@@ -195,11 +201,11 @@ class FairWalk:
     def view(self, visible: list[str] | None) -> list[dict[str, Any]]:
         """Every account (or the ``visible`` ones) with its settings, fair share, allocation, request and waiting."""
         tree, shares = self.tree, self.shares()
-        waiting = self.life.quotas.waiting
         names = list(tree.accounts) if visible is None else [n for n in visible if n in tree]
         return [{**tree[name].view(), "fair_share": round(shares.fair.get(name, 0.0)),
                  "allocated": int(shares.allocated.get(name, 0)), "requested": int(shares.requested.get(name, 0)),
-                 "waiting": int(waiting.get(name, 0))} for name in sorted(names)]
+                 "waiting": int(shares.requested.get(name, 0) - shares.allocated.get(name, 0))}
+                for name in sorted(names)]
 
 
 class _Judge:
