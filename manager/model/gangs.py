@@ -36,7 +36,7 @@ from gpumgr.manager.model.records import Command, Container, OpKind, PlacementSp
 from gpumgr.manager.placing.gang import could_ever_fit, hold_targets, plan_gang
 from gpumgr.manager.tenancy.tenants import Principal, Tenant
 from gpumgr.wire import defaults
-from gpumgr.wire.errors import Conflict, NoAgents, NoFit, NotFound
+from gpumgr.wire.errors import Conflict, NoAgents, NoFit, NotFound, QuotaExceeded
 from gpumgr.wire.names import LIVE, EventType, State
 from gpumgr.wire.units import format_bytes
 
@@ -378,7 +378,7 @@ class Gangs:
                     self.life.clock.time()
                 continue
             wanted = gang.spec.member
-            if not self._account_allows(gang):
+            if not self._account_allows(gang) or not self._tenant_allows(gang):
                 continue
             try:
                 plan = plan_gang(self.ledger.index, request_for(wanted, wanted.memory), gang.spec.replicas,
@@ -428,6 +428,16 @@ class Gangs:
         """What a gang asks for in all: its members' bytes × GPUs."""
         member = gang.spec.member
         return member.memory * member.count * gang.spec.replicas
+
+    def _tenant_allows(self, gang: Gang) -> bool:
+        """Whether the gang's tenant may hold it whole now, under the quota in force (SIGHUP may have lowered it)."""
+        book = self.life.quotas.book
+        tenant = book.get(gang.tenant) if book is not None and gang.tenant is not None else None
+        try:
+            self.life.quotas.check(tenant, self.total(gang), gang.spec.replicas)
+        except QuotaExceeded:
+            return False
+        return True
 
     def _account_allows(self, gang: Gang) -> bool:
         """With accounts: whether the gang's account may run it now (as one request of its whole bytes)."""
