@@ -25,7 +25,8 @@ POLITE = "trap 'exit 0' TERM; while :; do sleep 1; done"
 def world(tmp_path_factory, test_image, docker_client):
     """A manager with short gang graces and four agents of one 8 GiB GPU each."""
     tmp = tmp_path_factory.mktemp("gangs")
-    manager = ManagerProc(tmp, env={"GPUMGR_GANG_EXIT_GRACE": "5", "GPUMGR_GANG_GRACE": "5"})
+    manager = ManagerProc(tmp, env={"GPUMGR_GANG_EXIT_GRACE": "5", "GPUMGR_GANG_GRACE": "5",
+                                    "GPUMGR_GANG_RESERVE_AFTER": "4"})
     agents = [AgentProc(tmp, manager, node, gpus="sim:1x8GiB") for node in NODES]
     yield manager
     for agent in agents:
@@ -90,10 +91,10 @@ def test_a_waiting_gang_holds_nothing_and_starts_whole_once_room_frees(clean, te
     assert busy.status_code == 201, busy.text
     waiting = gang(manager, test_image, 4, queue=True)
     assert waiting.status_code == 202 and waiting.json()["state"] == "queued", waiting.text
-    time.sleep(1.0)
-    reserved = sum(g["memory_reserved"] for n in manager.get("/v1/nodes").json()["nodes"] for g in n["gpus"]
-                   if n["name"] in NODES)
-    assert reserved == 6 * GiB  # only the busy container's grant: the waiting gang holds nothing
+    time.sleep(0.5)  # (well before gang_reserve_after, 4 s here)
+    gpus = [g for n in manager.get("/v1/nodes").json()["nodes"] for g in n["gpus"] if n["name"] in NODES]
+    assert sum(g["memory_reserved"] for g in gpus) == 6 * GiB  # only the busy container's grant
+    assert sum(g["memory_reserved_for_gang"] for g in gpus) == 0  # the waiting gang holds nothing
     freed = time.monotonic()
     manager.http.delete(manager.url + f"/v1/containers/{busy.json()['id']}", timeout=60)
     running = wait_for(lambda: (v := gang_state(manager, waiting.json()["id"]))["state"] == "running" and v, 20,
@@ -124,6 +125,40 @@ def test_docker_kill_of_one_member_stops_the_others_and_restart_gang_brings_it_b
     assert "member 0" in ended["reason"]
     wait_for(lambda: all(manager.get(f"/v1/containers/{m}").json()["state"] not in ("creating", "running")
                          for m in again["members"]), 20, what="every member ended")
+
+
+def test_a_failed_member_create_removes_the_others_and_answers_as_one_container_would(clean, test_image):
+    manager = clean
+    failed = gang(manager, "gpumgr-test/no-such-image:1", 3)
+    assert failed.status_code == 400 and failed.json()["error"]["code"] == "image_not_found", failed.text
+    gangs = manager.get("/v1/gangs").json()["gangs"]
+    assert len(gangs) == 1 and gangs[0]["state"] == "failed" and gangs[0]["restart_count"] == 0
+    wait_for(lambda: all(manager.get(f"/v1/containers/{m}").json()["state"] not in ("creating", "running")
+                         for m in gangs[0]["members"]), 20, what="every member ended")
+    reserved = sum(g["memory_reserved"] for n in manager.get("/v1/nodes").json()["nodes"] for g in n["gpus"]
+                   if n["name"] in NODES)
+    assert reserved == 0  # every grant released
+
+
+def test_after_gang_reserve_after_room_is_held_for_a_waiting_gang_and_nothing_else_takes_it(clean, test_image):
+    manager = clean
+    small = {"image": test_image, "gpu_memory": "4GiB", "command": ["sh", "-c", POLITE]}
+    first = manager.http.post(manager.url + "/v1/containers", json={**small, "node": NODES[0]}, timeout=90)
+    assert first.status_code == 201, first.text
+    waiting = gang(manager, test_image, 4, queue=True, gpu_memory="8GiB")  # every GPU whole: one is half taken
+    assert waiting.status_code == 202, waiting.text
+
+    def held() -> dict[str, int]:
+        return {n["name"]: n["gpus"][0]["memory_reserved_for_gang"] for n in manager.get("/v1/nodes").json()["nodes"]
+                if n["name"] in NODES}
+
+    # gang_reserve_after is 4 s here: then the free GPUs are held for it, whole, and the busy one's free half
+    wait_for(lambda: held() == {NODES[0]: 4 * GiB, **{n: 8 * GiB for n in NODES[1:]}}, 10, what="room held")
+    refused = manager.http.post(manager.url + "/v1/containers", json=small, timeout=90)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "no_fit", refused.text
+    manager.http.delete(manager.url + f"/v1/containers/{first.json()['id']}", timeout=60)
+    wait_for(lambda: gang_state(manager, waiting.json()["id"])["state"] == "running", 20, what="the gang placed")
+    assert set(held().values()) == {0}  # released once it is placed
 
 
 def test_two_gangs_at_once_run_one_after_the_other_never_both_partly(clean, test_image):

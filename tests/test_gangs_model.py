@@ -342,3 +342,37 @@ def test_with_accounts_a_gang_waits_and_borrows_as_one_request_of_its_whole_byte
     members = [world.cluster.get(m) for m in borrowing.members]
     assert world.view(borrowing.id)["state"] == "running" and [m.over_quota for m in members] == [False, False, True]
     world.check()
+
+
+def test_a_member_on_a_node_that_went_down_is_waited_for_gang_grace_then_the_gang_ends() -> None:
+    from gpumgr.wire.protocol import ContainerStatus, GpuSample
+
+    world = Map()
+    world.cluster.gangs.node_grace = 20.0
+    gid, commands = world.gang(2)
+    world.answer(commands)
+    members = [world.cluster.get(m) for m in world.view(gid)["members"]]
+    lost = members[1].node
+
+    def heartbeat() -> None:  # every node but the lost one
+        for n in range(4):
+            name = f"n{n}"
+            if name != lost:
+                statuses = [ContainerStatus(grant=m.id, container_id=f"c-{m.id}", state="running")
+                            for m in members if m.node == name]
+                world.cluster.heartbeat(name, name.encode(), [GpuSample(uuid=f"{name}-g0", memory_used=0,
+                                                                        memory_unmanaged=0)], statuses)
+
+    for _ in range(4):  # its node goes silent and is marked down; one node of four is no partition
+        world.clock.advance(world.cluster.down_after / 2 + 0.1)
+        heartbeat()
+        world.cluster.sweep()
+    assert not world.cluster.ledger.nodes[lost].ready and not world.cluster.reconciler.disrupted
+    world.dispatch(1.0)
+    assert world.view(gid)["state"] == "running"  # waited for, within gang_grace
+    for _ in range(5):
+        heartbeat()
+        world.dispatch(5.0)
+    view = world.view(gid)
+    assert view["state"] == "failed" and "gang_grace" in view["reason"] and lost in view["reason"]
+    world.check()
