@@ -376,3 +376,17 @@ def test_a_member_on_a_node_that_went_down_is_waited_for_gang_grace_then_the_gan
     view = world.view(gid)
     assert view["state"] == "failed" and "gang_grace" in view["reason"] and lost in view["reason"]
     world.check()
+
+
+def test_waiting_gangs_are_tried_by_priority_then_first_come() -> None:
+    world = Map()
+    busy = [world.cluster.submit(member())[0] for _ in range(4)]
+    world.answer([Command(OpKind.CREATE, r, r.op) for r in busy if r.op is not None])
+    low, _ = world.cluster.submit_gang(GangSpec(member(priority=0), 2), queue=True)
+    high, _ = world.cluster.submit_gang(GangSpec(member(priority=3), 2), queue=True)
+    assert world.cluster.gangs.in_order() == [high.id, low.id]
+    world.cluster.finish(busy[0].id, State.EXITED, exit_code=0)
+    world.cluster.finish(busy[1].id, State.EXITED, exit_code=0)
+    world.dispatch()
+    assert world.view(high.id)["state"] == "running" and world.view(low.id)["state"] == "queued"
+    world.check()

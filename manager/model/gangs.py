@@ -370,7 +370,7 @@ class Gangs:
                     if follow is not None:
                         commands.append(follow)
         self._release_holds()
-        for gid in list(self.waiting):
+        for gid in self.in_order():
             gang = self.gangs[gid]
             if gang.expires_mono is not None and now >= gang.expires_mono:
                 self._unwait(gang)
@@ -477,6 +477,11 @@ class Gangs:
             self.waiting.append(gang.id)
             restored += 1
         return restored
+
+    def in_order(self) -> list[str]:
+        """The waiting gangs in the order they are tried: highest priority first, then first come."""
+        return sorted(self.waiting, key=lambda g: (-self.gangs[g].spec.member.priority,
+                                                   self.gangs[g].waiting_mono or 0.0))
 
     def _hold_for_head(self, now: float) -> None:
         """Hold room for the waiting gang at the head (highest priority, then first come) once it waited
