@@ -390,3 +390,22 @@ def test_waiting_gangs_are_tried_by_priority_then_first_come() -> None:
     world.dispatch()
     assert world.view(high.id)["state"] == "running" and world.view(low.id)["state"] == "queued"
     world.check()
+
+
+def test_a_waiting_gang_preempts_lower_priority_preemptible_containers_as_one_request_of_its_priority() -> None:
+    world = Map()
+    low = [world.cluster.submit(member(priority=1, preemptible=True))[0] for _ in range(3)]
+    steady, create = world.cluster.submit(member(priority=0))  # not preemptible: never stopped
+    world.answer(create + [Command(OpKind.CREATE, r, r.op) for r in low if r.op is not None])
+    gid, _ = world.gang(2, queue=True)
+    assert world.view(gid)["state"] == "queued"  # member() is priority 0: nothing of priority 1 is its to stop
+    world.cluster.remove_gang(gid)
+    high, _ = world.cluster.submit_gang(GangSpec(member(priority=5), 3), queue=True)
+    world.dispatch()  # the three low containers are chosen (every GPU is busy; the steady one is no candidate)
+    world.dispatch()  # their removals go out and are answered
+    world.dispatch()  # the gang is placed whole on the room they left
+    assert world.view(high.id)["state"] == "running"
+    preempted = [r for r in low if world.cluster.get(r.id).state is State.PREEMPTED]
+    assert len(preempted) == 3 and all(r.preempted_for == high.id for r in preempted)
+    assert world.cluster.get(steady.id).state is State.RUNNING
+    world.check()

@@ -91,6 +91,7 @@ class Cluster(Terms, MapReads):
         self.gangs = Gangs(self.life, self.reconciler.follow_up, lambda: self.new_id(), lambda: self.create_timeout,
                            lambda: self.reconciler.disrupted)
         self.dispatcher.fair.gangs_waiting = self.gangs.waiting_by_account
+        self.gangs.may_stop = self.dispatcher.may_stop
         #: a node answered a command (``reply``), or did not (``error``): the follow-up commands (under the lock)
         self.settle: Callable[..., list[Command]] = self.replies.answer
         self.queue_max = defaults.QUEUE_MAX

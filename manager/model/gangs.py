@@ -111,6 +111,10 @@ class Gangs:
                  disrupted: Callable[[], bool]) -> None:
         self.life, self.ledger = life, life.ledger
         self.follow_up, self.new_id, self.create_timeout, self.disrupted = follow_up, new_id, create_timeout, disrupted
+        #: whether a container may be stopped now (its node refused to before, and it backs off): the dispatcher's
+        self.may_stop: Callable[[Container, float], bool] = lambda record, now: True
+        #: waiting gang → the preemptible containers being stopped to make room for it
+        self.making_room: dict[str, set[str]] = {}
         self.gangs: dict[str, Gang] = {}
         #: gangs waiting for room, first come first
         self.waiting: list[str] = []
@@ -130,6 +134,7 @@ class Gangs:
     def clear(self) -> None:
         """Forget every gang (the map starts from nothing)."""
         self.gangs, self.waiting, self.ports, self.holding, self.hold_plan = {}, [], {}, {}, None
+        self.making_room = {}
 
     # --- placing ---------------------------------------------------------------------------------
     def submit(self, spec: GangSpec, *, tenant: Tenant | None, queue: bool,
@@ -348,6 +353,7 @@ class Gangs:
             return gang
         if gang.state == "queued":
             self._unwait(gang)
+            self.making_room.pop(gang.id, None)
             self._release_holds()
             gang.state, gang.reason, gang.finished_at = "removed", "withdrawn before it was placed", \
                 self.life.clock.time()
@@ -369,6 +375,13 @@ class Gangs:
                     follow = self.follow_up(member)
                     if follow is not None:
                         commands.append(follow)
+        for chosen in self.making_room.values():  # containers being stopped to make room for a waiting gang
+            for cid in chosen:
+                victim = self.ledger.records.get(cid)
+                if victim is not None and victim.desired is State.PREEMPTED and victim.state in LIVE:
+                    follow = self.follow_up(victim)
+                    if follow is not None:
+                        commands.append(follow)
         self._release_holds()
         for gid in self.in_order():
             gang = self.gangs[gid]
@@ -383,9 +396,13 @@ class Gangs:
             try:
                 plan = plan_gang(self.ledger.index, request_for(wanted, wanted.memory), gang.spec.replicas,
                                  gang.spec.one_per_node)
-            except (NoFit, NoAgents):
+            except NoFit:
+                self._plan_preemption(gang)
+                continue
+            except NoAgents:
                 continue
             self._unwait(gang)
+            self.making_room.pop(gang.id, None)
             commands += self._start(gang, plan)
         self._hold_for_head(now)
         return commands
@@ -477,6 +494,50 @@ class Gangs:
             self.waiting.append(gang.id)
             restored += 1
         return restored
+
+    def _plan_preemption(self, gang: Gang) -> None:
+        """Stop preemptible containers of lower priority (of its own account, with accounts) so the whole gang
+        fits, as one request of its priority: nothing is chosen while containers chosen for it still stop."""
+        records, ledger = self.ledger.records, self.ledger
+        if not ledger.preemptible or any(
+                (r := records.get(v)) is not None and r.state in LIVE and r.desired is State.PREEMPTED
+                for v in self.making_room.get(gang.id, ())):
+            return
+        member, accounts = gang.spec.member, self.life.quotas.accounts
+        account = accounts.account_of(gang.tenant) if accounts is not None else None
+        now = self.life.clock.monotonic()
+        candidates: dict[str, list[Container]] = {}
+        for cid in ledger.preemptible:
+            victim = records.get(cid)
+            if (victim is not None and victim.state is State.RUNNING and victim.desired is State.RUNNING
+                    and victim.op is None and victim.priority < member.priority and victim.gang is None
+                    and (account is None or victim.account == account) and self.may_stop(victim, now)):
+                for uuid in victim.gpus:
+                    candidates.setdefault(uuid, []).append(victim)
+        if not candidates:
+            return
+        more = {uuid: sum(v.held for v in found) for uuid, found in candidates.items()}
+        try:
+            plan = plan_gang(ledger.index, request_for(member, member.memory), gang.spec.replicas,
+                             gang.spec.one_per_node, more)
+        except (NoFit, NoAgents):
+            return  # it would not fit even so
+        chosen: dict[str, Container] = {}
+        for slots in plan:
+            for slot in slots:
+                free = slot.free
+                for victim in sorted(candidates.get(slot.uuid, []), key=lambda r: (r.priority, -r.created_at)):
+                    if free >= member.memory:
+                        break
+                    if victim.id not in chosen:
+                        chosen[victim.id] = victim
+                        free += victim.held
+        self.making_room[gang.id] = set(chosen)
+        for victim in chosen.values():
+            self.life.desire(victim, State.PREEMPTED, preempted_for=gang.id)
+            self.life.event(EventType.PREEMPTED, f"stopping preemptible container (priority {victim.priority}) to "
+                            f"make room for waiting gang {gang.id} (priority {member.priority})", victim,
+                            preempted_for=gang.id)
 
     def in_order(self) -> list[str]:
         """The waiting gangs in the order they are tried: highest priority first, then first come."""

@@ -12,19 +12,25 @@ says, so the plan never grants a byte twice. Nothing on the map changes; the cal
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from gpumgr.manager.placing.free_index import FreeIndex, GpuSlot
 from gpumgr.manager.placing.scheduler import SPREAD, Request
 from gpumgr.wire.errors import NoAgents, NoFit
 from gpumgr.wire.units import format_bytes
 
 
-def plan_gang(index: FreeIndex, request: Request, replicas: int, one_per_node: bool = True) -> list[list[GpuSlot]]:
-    """The GPUs of each of ``replicas`` members, rank order; NoFit when the gang does not fit whole now."""
+def plan_gang(index: FreeIndex, request: Request, replicas: int, one_per_node: bool = True,
+              more: Mapping[str, int] | None = None) -> list[list[GpuSlot]]:
+    """The GPUs of each of ``replicas`` members, rank order; NoFit when the gang does not fit whole now.
+
+    ``more`` adds bytes to some GPUs' free memory: what would free there (a preemption being weighed).
+    """
     if not index.by_node:
         raise NoAgents("no agent is ready to take containers; start one with 'gpumgr agent'")
     allows = request.constraints.allows if request.constraints.items else None
     spread = request.placement is SPREAD
-    free = {s.uuid: s.free for slots in index.by_node.values() for s in slots}
+    free = {s.uuid: s.free + (more.get(s.uuid, 0) if more else 0) for slots in index.by_node.values() for s in slots}
     nodes = [request.node] if request.node is not None else list(index.by_node)
 
     def best_set(node: str) -> list[GpuSlot] | None:
