@@ -117,11 +117,11 @@ class Inbound:
             error = protocol.ErrorBody(code=code, message=text)
             self.link.send(peer.routing_id, protocol.Reply(ok=False, error=error), reply_to=envelope.id, key=peer.key)
         elif isinstance(message, protocol.Register | protocol.Heartbeat):
-            self.link.send(peer.routing_id, protocol.Refused(code=code, message=text), reply_to=envelope.id,
-                           key=peer.key)
             asks = self.manager.headless
             if asks is not None:  # the node its proven key is bound to, never the one the message claims
-                asks.asked(peer.key, self.manager.admission.node_of(peer.key))
+                asks.asked(peer.key, self.manager.admission.node_of(peer.key))  # noted before it is answered
+            self.link.send(peer.routing_id, protocol.Refused(code=code, message=text), reply_to=envelope.id,
+                           key=peer.key)
 
     def _speaker(self, peer: Peer, envelope: protocol.Envelope, message: protocol.Message) -> str | None:
         """The node ``peer``'s key is bound to, if the message speaks only for it; else None (dropped, logged)."""
