@@ -8,7 +8,7 @@ import pytest
 from gpumgr.manager.fairshare.reclaim import allowed
 from gpumgr.manager.fairshare.shares import compute
 from gpumgr.manager.model.cluster import Cluster
-from gpumgr.manager.model.records import PlacementSpec
+from gpumgr.manager.model.records import OpKind, PlacementSpec
 from gpumgr.manager.tenancy.accounts import DEFAULT, AccountConfig, build_accounts
 from gpumgr.manager.tenancy.tenants import OPERATOR, Principal
 from gpumgr.wire.errors import Conflict
@@ -391,4 +391,29 @@ def test_a_request_within_its_own_quota_is_not_held_back_by_a_sibling_that_borro
     else:
         (victim,) = sim.reclaimed
         assert victim.id in {r.id for r in borrowed[2:]} and victim.detail["reclaimed_for_account"] == "p/x"
+    sim.check()
+
+
+def test_a_victim_whose_room_another_request_of_its_account_took_is_not_replaced_by_another_victim() -> None:
+    """Seen end to end under load: victims V1-V3 were chosen for prod's R1-R3; V2 stopped first and R1 took its
+    room; R2's own victim then looked gone, and a fourth container was reclaimed: prod 16 GiB, research 16."""
+    gib = 1 << 30
+    accounts = {"research": {"quota": {"gpu_memory": 8 * gib}, "over_quota_weight": 3, "reclaim_min_runtime": 0},
+                "prod": {"quota": {"gpu_memory": 8 * gib}, "over_quota_weight": 1, "reclaim_min_runtime": 0}}
+    sim = Accounts(accounts, nodes=2, gpus=2, gpu_memory=8 * gib)
+    sim.ask("research", 8, 4 * gib)
+    sim.ask("prod", 8, 4 * gib)
+    commands, _ = sim.cluster.dispatch()
+    removals = [c for c in commands if c.kind is OpKind.REMOVE]
+    assert len(removals) == 3  # prod's fair share is 12 GiB: three of research's borrowed 4 GiB
+    sim.answer([removals[1]])  # one victim stops first; the other two are still stopping
+    for _ in range(3):
+        sim.clock.advance(1.0)
+        commands, _ = sim.cluster.dispatch()
+        assert not [c for c in commands if c.kind is OpKind.REMOVE and c.record.id not in
+                    {r.record.id for r in removals}], "a fourth container was reclaimed"
+        sim.answer([c for c in commands if c.kind is OpKind.CREATE])
+    sim.answer([removals[0], removals[2]])
+    sim.settle_down()
+    assert (sim.view()["prod"]["allocated"], sim.view()["research"]["allocated"]) == (12 * gib, 20 * gib)
     sim.check()

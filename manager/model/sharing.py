@@ -38,7 +38,7 @@ from gpumgr.manager.model.records import Container
 from gpumgr.manager.placing.scheduler import GpuSlot, Request, place
 from gpumgr.manager.tenancy.accounts import AccountTree
 from gpumgr.wire.errors import GpumgrError, NoAgents, NoFit
-from gpumgr.wire.names import EventType, State
+from gpumgr.wire.names import LIVE, EventType, State
 
 #: How many waiting requests of one owed account a walk plans reclaim for.
 RECLAIM_AHEAD = 64
@@ -70,6 +70,8 @@ class FairWalk:
         self.paused: Callable[[], bool] = lambda: False
         #: how many reclaims were planned (each may stop several containers)
         self.reclaims = 0
+        #: reclaim's victims still stopping, whichever request of their reclaimer takes their room
+        self.moving: set[str] = set()
         #: the waiting gangs' bytes per leaf account (set by the cluster: :meth:`Gangs.waiting_by_account`)
         self.gangs_waiting: Callable[[], dict[str, int]] = dict
 
@@ -92,6 +94,23 @@ class FairWalk:
             waiting = {**quotas.waiting, **{a: quotas.waiting.get(a, 0) + b for a, b in gangs.items()}}
         return compute(self.tree, quotas.allocated, waiting, self.capacity())
 
+    def _walk_shares(self) -> Shares:
+        """The shares a walk weighs: every reclaim victim still stopping counts as room already moved, from its
+        account to the account it was stopped for (whichever of that account's requests then takes it)."""
+        shares, tree, records = self.shares(), self.tree, self.ledger.records
+        for cid in list(self.moving):
+            victim = records.get(cid)
+            if victim is None or victim.state not in LIVE or victim.desired is not State.PREEMPTED:
+                self.moving.discard(cid)  # stopped (its room is the reclaimer's allocation now), or spared
+                continue
+            to, size = victim.detail.get("reclaimed_for_account"), victim.gpu_memory * victim.count
+            if victim.account in tree and to in tree:
+                for name in tree[victim.account or ""].path:
+                    shares.allocated[name] = shares.allocated.get(name, 0.0) - size
+                for name in tree[str(to)].path:
+                    shares.allocated[name] = shares.allocated.get(name, 0.0) + size
+        return shares
+
     def walk(self, own: str | None, own_waits: bool) -> list[Container]:
         """Place queued requests while they fit, accounts below their fair share first; return those placed."""
         dispatch, life, tree = self.dispatch, self.life, self.tree
@@ -100,7 +119,7 @@ class FairWalk:
         for order, cid in enumerate(life.queue.ids()):
             record = records[cid]
             lines.setdefault(record.account or "", deque()).append((order, record))
-        shares = self.shares()
+        shares = self._walk_shares()
         placed: list[Container] = []
         blocked: set[str] = set()
         owed = False  # an account below its fair share waits for room: nobody else starts borrowing
@@ -160,12 +179,10 @@ class FairWalk:
         return self._stop_for(head, dispatch.cheapest_victims(head, judge.eligible, judge.order), judge, shares)
 
     def _being_made(self, head: Container, shares: Shares) -> bool:
+        """Whether containers chosen for ``head`` still stop (the walk's shares count them as moved already)."""
         records = self.ledger.records
-        stopping = [records[v] for v in self.dispatch.making_room.get(head.id, ()) if v in records and
-                    records[v].state in (State.CREATING, State.RUNNING) and records[v].desired is State.PREEMPTED]
-        if stopping:  # its room is being made
-            self._count_as_done(head, stopping, shares)
-        return bool(stopping)
+        return any(v in records and records[v].state in LIVE and records[v].desired is State.PREEMPTED
+                   for v in self.dispatch.making_room.get(head.id, ()))
 
     def _stop_for(self, head: Container, victims: list[Container], judge: _Judge, shares: Shares) -> bool:
         """Stop ``victims`` for ``head`` if, together, they keep Kueue's rule for every side they are taken from."""
@@ -180,6 +197,7 @@ class FairWalk:
             return False  # together they would take the victims' side below the reclaimer's: no loop is started
         self.reclaims += 1
         self.dispatch.making_room[head.id] = {v.id for v in victims}
+        self.moving.update(v.id for v in victims)
         for victim in victims:
             self.life.desire(victim, State.PREEMPTED, "reclaimed", preempted_for=head.id,
                              reclaimed_for_account=head.account)

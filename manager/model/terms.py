@@ -63,6 +63,7 @@ class Terms:
             self.queue.clear()
             self.life.clear()
             self.dispatcher.making_room.clear()
+            self.dispatcher.fair.moving.clear()
             self.dispatcher.refused.clear()
             self.reconciler.clear()
             self.gangs.clear()
