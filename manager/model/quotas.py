@@ -95,6 +95,26 @@ class Quotas:
                 verdict = "over_quota"
         return verdict
 
+    def _grant(self, record: Container, total: int) -> None:
+        """Count live ``record`` in its account's path, deciding in the same pass whether it is over quota."""
+        chain = self._chains.get(record.account or "")
+        record.granted_mono = self.clock.monotonic()
+        if chain is None:
+            record.over_quota = False
+            return
+        allocated, borrowed = self.allocated, self.borrowed
+        over = False
+        for node in chain:
+            name = node.name
+            held = allocated.get(name, 0) + total
+            if held - borrowed.get(name, 0) > node.quota:
+                over = True
+            allocated[name] = held
+        record.over_quota = over
+        if over:
+            for node in chain:
+                borrowed[node.name] = borrowed.get(node.name, 0) + total
+
     def borrow(self, record: Container) -> None:
         """Live ``record`` borrows from now on (a resize grew it past its quota): it is over quota, reclaimable."""
         if record.account is not None and not record.over_quota:
@@ -115,9 +135,9 @@ class Quotas:
                 self._add(record.account, 0, sign * total)
             else:
                 if sign > 0:  # granted: it borrows if its account passes a quota with it, fixed from now
-                    record.over_quota = self.room(record.account, total) is not None
-                    record.granted_mono = self.clock.monotonic()
-                self._add(record.account, sign * total, 0, sign * total if record.over_quota else 0)
+                    self._grant(record, total)
+                else:
+                    self._add(record.account, -total, 0, -total if record.over_quota else 0)
         if record.tenant is None:
             return
         use = self._usage.setdefault(record.tenant, Usage())
