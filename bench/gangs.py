@@ -49,9 +49,9 @@ from bench.fairshare import Logical, poisson
 from bench.harness import GiB, machine, machine_line, pct, save, summary, table
 from bench.scheduler import build
 from gpumgr.manager.model.cluster import Cluster
-from gpumgr.manager.model.dispatch import request_for
 from gpumgr.manager.model.gangs import Gang, GangSpec
 from gpumgr.manager.model.records import Command, OpKind, PlacementSpec
+from gpumgr.manager.model.walk.dispatch import request_for
 from gpumgr.manager.placing.gang import plan_gang
 from gpumgr.wire.errors import NoFit
 from gpumgr.wire.names import State

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.harness import GiB, median, save, table
 from bench.scheduler import MIX_GIB, time_place, time_reserve_release
 from gpumgr.manager.model.cluster import Cluster, PlacementSpec
-from gpumgr.manager.model.dispatch import request_for
+from gpumgr.manager.model.walk.dispatch import request_for
 from gpumgr.manager.placing.scheduler import place
 from gpumgr.wire.errors import NoFit
 from gpumgr.wire.protocol import GpuInfo

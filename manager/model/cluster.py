@@ -9,28 +9,27 @@ told; the manager (:mod:`gpumgr.manager.service`) sends them after, and hands ea
 from __future__ import annotations
 
 import logging
-import os
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from gpumgr.manager.clock import SYSTEM, Clock
 from gpumgr.manager.events import EventLog
-from gpumgr.manager.model.dispatch import Dispatch, request_for, take_slots
-from gpumgr.manager.model.gangs import Gang, Gangs, GangSpec
+from gpumgr.manager.model.gangs import Gangs
+from gpumgr.manager.model.gangs.calls import GangCalls
 from gpumgr.manager.model.ledger import Ledger
 from gpumgr.manager.model.lifecycle import ENDED, Lifecycle
 from gpumgr.manager.model.queue import QueueJournal, WaitQueue
 from gpumgr.manager.model.quotas import Quotas
 from gpumgr.manager.model.reconcile import Reconciler
-from gpumgr.manager.model.records import Command, Container, Op, OpKind, PlacementSpec
+from gpumgr.manager.model.records import Command, Container, Op, OpKind, PlacementSpec, RandomIds
 from gpumgr.manager.model.replies import Replies
 from gpumgr.manager.model.resize import Resizer
 from gpumgr.manager.model.terms import Terms
 from gpumgr.manager.model.views import MapReads
+from gpumgr.manager.model.walk.dispatch import Dispatch, request_for, take_slots
 from gpumgr.manager.placing.scheduler import place
 from gpumgr.manager.tenancy.accounts import AccountTree
-from gpumgr.manager.tenancy.tenants import Principal, Tenant, TenantBook
+from gpumgr.manager.tenancy.tenants import Tenant, TenantBook
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import (
     Conflict,
@@ -51,24 +50,7 @@ log = logging.getLogger(__name__)
 _CREATE, _PLACED = OpKind.CREATE, EventType.PLACED
 
 
-class RandomIds:
-    """Record ids: 16 hex digits from the OS's random source, drawn 512 at a time (one system call for many)."""
-
-    BATCH = 512
-
-    def __init__(self) -> None:
-        self._ready: deque[str] = deque()
-
-    def __call__(self) -> str:
-        try:
-            return self._ready.popleft()
-        except IndexError:
-            drawn = os.urandom(8 * self.BATCH).hex()
-            self._ready.extend(drawn[i:i + 16] for i in range(16, len(drawn), 16))
-            return drawn[:16]
-
-
-class Cluster(Terms, MapReads):
+class Cluster(Terms, MapReads, GangCalls):
     """Nodes, GPUs, grants and every record's life; see the module docstring."""
 
     def __init__(self, events: EventLog | None = None, *, headroom: int = 0,
@@ -258,7 +240,7 @@ class Cluster(Terms, MapReads):
         record = self._new_record(spec, tenant)
         request = request_for(spec, spec.memory)  # an InvalidRequest here leaves nothing behind
         if self.quotas.accounts is not None:
-            queue = self._account_room(record, queue)
+            queue = self.quotas.admit(record, queue)
         if not queue and not len(self.queue):  # the common case: nothing waits, place as always
             try:
                 slots = place(self.ledger.index, request)
@@ -309,29 +291,6 @@ class Cluster(Terms, MapReads):
                         f"{position} of {len(self.queue)}: {why}", record, position=position)
         return record
 
-    def _account_room(self, record: Container, queue: bool) -> bool:
-        """With accounts: ``409 over_quota`` for a request its account may not run now and that will not wait.
-
-        A request past its account's quota runs only if preemptible (it borrows); one past a limit on its
-        account's path waits for its account's allocation to fall. Returns whether it goes through the queue.
-        """
-        tree, total = self.quotas.accounts, record.gpu_memory * record.count
-        assert tree is not None
-        record.account = account = tree.account_of(record.tenant)
-        verdict = self.quotas.room(account, total)
-        if verdict is None or (verdict == "over_quota" and record.preemptible):
-            return queue
-        never = self.quotas.never(account, total) if verdict == "limit" else None
-        if never is not None:
-            raise Conflict(f"account {never}'s limit is {format_bytes(tree[never].limit or 0)}; this asks for "
-                           f"{format_bytes(total)} alone: it can never run; nothing was queued", code="over_quota")
-        why = (f"account {account} would pass a limit on its path" if verdict == "limit" else
-               f"account {account} would pass its quota ({format_bytes(tree[account].quota)}) and the request "
-               "is not preemptible: past its quota an account borrows only with preemptible requests")
-        if not queue:
-            raise Conflict(f"{why}; send \"queue\": true to wait until its allocation falls", code="over_quota")
-        return True
-
     def _new_record(self, spec: PlacementSpec, tenant: Tenant | None) -> Container:
         cid = self.new_id()
         return Container(id=cid, name=spec.name or f"gpumgr-{cid}", node="", gpus=[], gpu_memory=spec.memory,
@@ -366,41 +325,6 @@ class Cluster(Terms, MapReads):
                 self.journal.rewrite([self.life.journal_entry(self.ledger.records[c]) for c in self.queue.ids()]
                                      + self.gangs.journal_entries())
         return commands, placed
-
-    # --- gangs ---------------------------------------------------------------------------------
-    def submit_gang(self, spec: GangSpec, *, tenant: Tenant | None = None, queue: bool = False,
-                    queue_timeout: float | None = None) -> tuple[Gang, list[Command]]:
-        """Place every member of a gang now (their creates to send), or with ``queue`` let it wait whole."""
-        with self.lock:
-            try:
-                return self.gangs.submit(spec, tenant=tenant, queue=queue, queue_timeout=queue_timeout)
-            except NoFit:
-                self.life.outcome("no_fit")
-                raise
-
-    def remove_gang(self, gid: str) -> tuple[Gang, list[Command]]:
-        """End gang ``gid`` (withdraw it if it waits): its members' removals to send now (an ended member's
-        container is removed from its engine, as a DELETE of an ended container does)."""
-        with self.lock:
-            gang = self.gangs.remove(gid)
-            commands = []
-            for cid in gang.members:
-                record = self.ledger.records.get(cid)
-                if record is None:
-                    continue
-                if record.state in LIVE:
-                    follow = self.reconciler.follow_up(record)
-                    commands += [follow] if follow is not None else []
-                elif record.state in ENDED and record.op is None:
-                    commands += self._remove_ended(record)
-            return gang, commands
-
-    def gang_views(self, principal: Principal, gid: str | None = None) -> list[dict[str, Any]]:
-        """Every gang the caller may see (or only ``gid``: NotFound if it may not), as the API shows them."""
-        with self.lock:
-            if gid is not None:
-                return [self.gangs.view(self.gangs.get(gid, principal))]
-            return [self.gangs.view(g) for g in self.gangs.gangs.values() if principal.sees(g.tenant)]
 
     def _placed_by_walk(self, placed: list[Container]) -> None:
         """Records a walk placed for others: their creates begin now (under the lock) and are sent by the dispatcher."""

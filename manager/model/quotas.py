@@ -19,7 +19,7 @@ from gpumgr.manager.clock import SYSTEM, Clock
 from gpumgr.manager.model.records import Container
 from gpumgr.manager.tenancy.accounts import Account, AccountTree
 from gpumgr.manager.tenancy.tenants import Principal, Tenant, TenantBook, Usage
-from gpumgr.wire.errors import QuotaExceeded
+from gpumgr.wire.errors import Conflict, QuotaExceeded
 from gpumgr.wire.names import LIVE, State
 from gpumgr.wire.units import format_bytes
 
@@ -114,6 +114,30 @@ class Quotas:
         if over:
             for node in chain:
                 borrowed[node.name] = borrowed.get(node.name, 0) + total
+
+    def admit(self, record: Container, queue: bool) -> bool:
+        """With accounts: count ``record`` in its tenant's leaf account, or ``409 over_quota`` for a request its
+        account may not run now and that will not wait.
+
+        A request past its account's quota runs only if preemptible (it borrows); one past a limit on its
+        account's path waits for its account's allocation to fall. Returns whether it goes through the queue.
+        """
+        tree, total = self.accounts, record.gpu_memory * record.count
+        assert tree is not None
+        record.account = account = tree.account_of(record.tenant)
+        verdict = self.room(account, total)
+        if verdict is None or (verdict == "over_quota" and record.preemptible):
+            return queue
+        never = self.never(account, total) if verdict == "limit" else None
+        if never is not None:
+            raise Conflict(f"account {never}'s limit is {format_bytes(tree[never].limit or 0)}; this asks for "
+                           f"{format_bytes(total)} alone: it can never run; nothing was queued", code="over_quota")
+        why = (f"account {account} would pass a limit on its path" if verdict == "limit" else
+               f"account {account} would pass its quota ({format_bytes(tree[account].quota)}) and the request "
+               "is not preemptible: past its quota an account borrows only with preemptible requests")
+        if not queue:
+            raise Conflict(f"{why}; send \"queue\": true to wait until its allocation falls", code="over_quota")
+        return True
 
     def borrow(self, record: Container) -> None:
         """Live ``record`` borrows from now on (a resize grew it past its quota): it is over quota, reclaimable."""

@@ -5,8 +5,10 @@ Plain data; the ledger's one lock (:class:`~gpumgr.manager.model.ledger.Ledger`)
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, NamedTuple
@@ -273,3 +275,20 @@ class PlacementSpec:
     run: dict[str, Any] = field(default_factory=dict)
     #: where it may run (``wire.constraints``), as written; validated at the edge
     constraints: list[str] = field(default_factory=list)
+
+
+class RandomIds:
+    """Record ids: 16 hex digits from the OS's random source, drawn 512 at a time (one system call for many)."""
+
+    BATCH = 512
+
+    def __init__(self) -> None:
+        self._ready: deque[str] = deque()
+
+    def __call__(self) -> str:
+        try:
+            return self._ready.popleft()
+        except IndexError:
+            drawn = os.urandom(8 * self.BATCH).hex()
+            self._ready.extend(drawn[i:i + 16] for i in range(16, len(drawn), 16))
+            return drawn[:16]

@@ -14,11 +14,11 @@ fault (:func:`agent_error`).
 
 from __future__ import annotations
 
-from gpumgr.manager.model.dispatch import Dispatch
 from gpumgr.manager.model.lifecycle import Lifecycle
 from gpumgr.manager.model.reconcile import Reconciler
 from gpumgr.manager.model.records import Command, Container, Op, OpKind
 from gpumgr.manager.model.resize import Resizer
+from gpumgr.manager.model.walk.dispatch import Dispatch
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.errors import AgentFailed, Conflict, GpumgrError, InvalidRequest, NoAgents, PolicyDenied
 from gpumgr.wire.names import LIVE, EventType, State

@@ -9,9 +9,9 @@ Called under the ledger's lock.
 
 from __future__ import annotations
 
-from gpumgr.manager.model.dispatch import Dispatch
 from gpumgr.manager.model.lifecycle import Lifecycle
 from gpumgr.manager.model.records import Command, Container, Op, OpKind
+from gpumgr.manager.model.walk.dispatch import Dispatch
 from gpumgr.manager.tenancy.tenants import Tenant
 from gpumgr.wire.errors import Conflict, GpumgrError, NoAgents, NoFit
 from gpumgr.wire.names import EventType, State

@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from gpumgr.manager.model.dispatch import Dispatch
 from gpumgr.manager.model.gangs import Gangs
 from gpumgr.manager.model.intents import KEPT
 from gpumgr.manager.model.ledger import Ledger, Wake
@@ -21,6 +20,7 @@ from gpumgr.manager.model.queue import WaitQueue
 from gpumgr.manager.model.quotas import Quotas
 from gpumgr.manager.model.reconcile import Reconciler
 from gpumgr.manager.model.records import Command, Container
+from gpumgr.manager.model.walk.dispatch import Dispatch
 from gpumgr.wire.errors import NotFound, OutcomeUnknown
 from gpumgr.wire.names import LIVE, State
 

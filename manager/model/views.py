@@ -19,11 +19,11 @@ from gpumgr.wire.errors import NoAgents, NotFound
 from gpumgr.wire.names import LIVE, State
 
 if TYPE_CHECKING:
-    from gpumgr.manager.model.dispatch import Dispatch
     from gpumgr.manager.model.ledger import Ledger
     from gpumgr.manager.model.lifecycle import Lifecycle
     from gpumgr.manager.model.quotas import Quotas
     from gpumgr.manager.model.records import Container, Gpu, Node
+    from gpumgr.manager.model.walk.dispatch import Dispatch
 
 
 def node_view(node: Node, shown: Callable[[str], bool] | None = None) -> dict[str, Any]:

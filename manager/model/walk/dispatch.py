@@ -9,7 +9,7 @@ stops them. A container whose node refused to stop it is left alone for a while,
 refusal (jittered), and after :data:`~gpumgr.wire.defaults.PREEMPT_RETRIES` refusals for good, with an
 event: other containers may be chosen meanwhile, never the same one at once. Called under the ledger's lock.
 
-With accounts configured the walk is :class:`~gpumgr.manager.model.sharing.FairWalk`'s: accounts below
+With accounts configured the walk is :class:`~gpumgr.manager.model.walk.sharing.FairWalk`'s: accounts below
 their fair share first, a blocked head blocking only its own account, priority preemption only inside
 one account, and reclaim between accounts.
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 from gpumgr.manager.model.lifecycle import Lifecycle, placed_text
 from gpumgr.manager.model.records import Container, PlacementSpec
-from gpumgr.manager.model.sharing import FairWalk
+from gpumgr.manager.model.walk.sharing import FairWalk
 from gpumgr.manager.placing.scheduler import GpuSlot, Placement, Request, link_of, place
 from gpumgr.wire import defaults
 from gpumgr.wire.constraints import NO_CONSTRAINTS, Constraints, compiled
@@ -105,7 +105,7 @@ class Dispatch:
     def walk(self, own: str | None = None, own_waits: bool = True) -> list[Container]:
         """Place queued requests in order while they fit; return those placed (state ``creating``).
 
-        With accounts configured the walk is :meth:`FairWalk.walk` (:mod:`gpumgr.manager.model.sharing`).
+        With accounts configured the walk is :meth:`FairWalk.walk` (:mod:`gpumgr.manager.model.walk.sharing`).
         """
         if self.life.quotas.accounts is not None:
             return self.fair.walk(own, own_waits)

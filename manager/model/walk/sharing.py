@@ -45,7 +45,7 @@ RECLAIM_AHEAD = 64
 
 
 class Walker(Protocol):
-    """What the fair walk uses of :class:`~gpumgr.manager.model.dispatch.Dispatch` (which owns it)."""
+    """What the fair walk uses of :class:`~gpumgr.manager.model.walk.dispatch.Dispatch` (which owns it)."""
 
     life: Lifecycle
     making_room: dict[str, set[str]]
@@ -60,7 +60,7 @@ class Walker(Protocol):
 
 
 class FairWalk:
-    """The walk and reclaim of :mod:`gpumgr.manager.model.sharing` over one :class:`Dispatch`'s queue."""
+    """The walk and reclaim of :mod:`gpumgr.manager.model.walk.sharing` over one :class:`Dispatch`'s queue."""
 
     def __init__(self, dispatch: Walker) -> None:
         self.dispatch = dispatch
