@@ -231,6 +231,10 @@ class Manager:
     def remove_gang(self, gid: str) -> dict[str, Any]:
         """End a gang: every member is stopped and removed (a waiting gang is withdrawn)."""
         self.leading.check()
+        members = self.cluster.gang_views(OPERATOR, gid)[0]["members"]
+        intents = {cid: intent for cid in members if (intent := self.cluster.removal_intent(cid)) is not None}
+        if intents:  # written ahead, as a container's DELETE: a failover carries it out, a failure changes nothing
+            self.write_intents(intents)
         gang, commands = self.cluster.remove_gang(gid)
         self.send(commands)
         if commands:
@@ -244,6 +248,11 @@ class Manager:
         is still being created) the request is kept and carried out as soon as it can be: ``(record, 202)``.
         """
         self.leading.check()
+        record = self.cluster.get(cid)
+        if record.gang is not None and record.state in LIVE:  # a member's DELETE is its gang's, intents and all
+            self.remove_gang(record.gang)
+            record = self.cluster.get(cid)
+            return self.cluster.view(record), 202 if record.state in LIVE or record.op is not None else 200
         intent = self.cluster.removal_intent(cid)
         if intent is not None:  # written ahead: a restart or a new leader carries it out; a failure changes nothing
             self.write_intents({cid: intent})

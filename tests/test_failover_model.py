@@ -193,3 +193,30 @@ def test_item3_a_queued_resize_the_store_refused_is_undone(leader) -> None:
         store.apply_queue = real  # type: ignore[method-assign]
     manager.sync_queue(strict=True)
     assert [e["spec"]["memory"] for e in store.queued()] == [4 * GiB]
+
+
+def test_a_gangs_delete_writes_its_members_intents_before_the_map_changes(leader) -> None:
+    """A DELETE of a gang is a DELETE of each member: answered only once the store holds what it decided."""
+    from gpumgr.manager.model.gangs import GangSpec
+    from gpumgr.manager.tenancy.tenants import OPERATOR
+
+    manager, _, _ = leader
+    gang, status = manager.create_gang(GangSpec(spec(4 * GiB, "pair"), 2, one_per_node=False))
+    assert status == 201, gang
+    store = manager.plane.store
+    asked, real_intend = [], store.intend
+
+    def failing(intents: dict[str, dict[str, Any]]) -> None:
+        asked.append(intents)
+        raise StoreUnavailable("etcd is cut off (test)")
+
+    store.intend = failing  # type: ignore[method-assign]
+    with pytest.raises(StoreUnavailable):
+        manager.remove_gang(gang["id"])
+    assert set(asked[0]) == set(gang["members"])
+    assert manager.cluster.gang_views(OPERATOR, gang["id"])[0]["state"] == "running", "a refused DELETE ended it"
+    assert all(manager.cluster.get(m).desired is State.RUNNING for m in gang["members"])
+    store.intend = real_intend  # type: ignore[method-assign]
+    assert manager.remove_gang(gang["id"])["state"] == "removed"
+    wait_for(lambda: all(manager.cluster.get(m).state is State.REMOVED for m in gang["members"]), 10,
+             what="both members removed")
