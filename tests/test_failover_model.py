@@ -53,6 +53,18 @@ def spec(memory: int, name: str) -> PlacementSpec:
     return PlacementSpec(memory=memory, count=1, placement="spread", image="busybox", command=["true"], name=name)
 
 
+def cut_intents(store: Any, asked: list[dict[str, dict[str, Any]]]) -> Any:
+    """Make ``store`` refuse every intent (noting what it was asked to write); return its own ``intend``."""
+    real = store.intend
+
+    def failing(intents: dict[str, dict[str, Any]]) -> None:
+        asked.append(intents)
+        raise StoreUnavailable("etcd is cut off (test)")
+
+    store.intend = failing
+    return real
+
+
 def creates(agent: FakeAgent, name: str) -> list[protocol.Message]:
     return [m for m in list(agent.received) if isinstance(m, protocol.Create) and m.spec.name == name]
 
@@ -141,13 +153,8 @@ def test_a_plain_placement_writes_nothing_to_the_store_and_a_delete_writes_its_i
     store.write = counted  # type: ignore[method-assign]
     record, status = manager.create(spec(GiB, "plain"))
     assert status == 201 and writes == []
-    intend, real_intend = [], store.intend
-
-    def failing(intents: dict[str, dict[str, Any]]) -> None:
-        intend.append(intents)
-        raise StoreUnavailable("etcd is cut off (test)")
-
-    store.intend = failing  # type: ignore[method-assign]
+    intend: list[dict[str, dict[str, Any]]] = []
+    real_intend = cut_intents(store, intend)
     with pytest.raises(StoreUnavailable):
         manager.remove(record["id"])
     assert manager.cluster.get(record["id"]).desired is State.RUNNING, "a refused DELETE changed the map"
@@ -204,13 +211,8 @@ def test_a_gangs_delete_writes_its_members_intents_before_the_map_changes(leader
     gang, status = manager.create_gang(GangSpec(spec(4 * GiB, "pair"), 2, one_per_node=False))
     assert status == 201, gang
     store = manager.plane.store
-    asked, real_intend = [], store.intend
-
-    def failing(intents: dict[str, dict[str, Any]]) -> None:
-        asked.append(intents)
-        raise StoreUnavailable("etcd is cut off (test)")
-
-    store.intend = failing  # type: ignore[method-assign]
+    asked: list[dict[str, dict[str, Any]]] = []
+    real_intend = cut_intents(store, asked)
     with pytest.raises(StoreUnavailable):
         manager.remove_gang(gang["id"])
     assert set(asked[0]) == set(gang["members"])
