@@ -92,6 +92,11 @@ class EventLog:
             return
         self._reserved(term, block, True)
 
+    @property
+    def size(self) -> int:
+        """How many events the log keeps (the oldest go first)."""
+        return self._events.maxlen or 0
+
     def _handed(self) -> int:
         """The highest id handed out (call under the lock)."""
         return self._events[-1][0] if self._events else 0

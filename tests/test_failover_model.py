@@ -222,3 +222,28 @@ def test_a_gangs_delete_writes_its_members_intents_before_the_map_changes(leader
     assert manager.remove_gang(gang["id"])["state"] == "removed"
     wait_for(lambda: all(manager.cluster.get(m).state is State.REMOVED for m in gang["members"]), 10,
              what="both members removed")
+
+
+def test_a_container_seen_ending_in_an_earlier_term_gets_no_second_final_event(leader) -> None:
+    """A manager that leads again (M1 → M2 → M1, or etcd's quorum lost and back) re-adopts from its nodes a
+    container whose end it already wrote in its own event log: the log keeps one final event for it (the CI's
+    HA chaos schedule etcd_quorum found two)."""
+    manager, agent, _ = leader
+    created, status = manager.create(spec(4 * GiB, "ends"))
+    assert status == 201
+    grant = created["id"]
+    agent.reports[grant] = agent.reports[grant].model_copy(
+        update={"state": "exited", "exit_code": 0, "finished_at": 1.0})
+    agent.heartbeat()
+    ledger = manager.cluster.ledger  # its records are a new dict each term
+    wait_for(lambda: ledger.records[grant].state is State.EXITED, 5, what="the end to be recorded")
+
+    def finals() -> int:
+        return sum(1 for e in manager.events.since(0) if e["container"] == grant and e.get("final"))
+
+    assert finals() == 1
+    manager.cluster.reset("a new term of leadership (test)")  # as leading.lost and leading.elected do
+    agent.heartbeat()  # unknown to the new term: it is asked to register again, and its Register adopts the container
+    wait_for(lambda: grant in ledger.records, 5, what="the ended container to be adopted")
+    assert ledger.records[grant].state is State.EXITED
+    assert finals() == 1

@@ -95,6 +95,10 @@ class Lifecycle:
         self.member_ended: Callable[[Container], None] | None = None
         #: a live member was adopted from its node's report (a restart or failover): its gang is rebuilt
         self.member_adopted: Callable[[Container], None] | None = None
+        #: records whose final event this process wrote, oldest first, as many as the event log keeps; kept across
+        #: terms (the event log is), so a leader that leads again and re-adopts a container it saw end writes no
+        #: second final event for it
+        self.finals_written: dict[str, None] = {}
 
     def clear(self) -> None:
         """Forget what belongs to the records (the map starts from nothing); counters and op ids go on."""
@@ -263,6 +267,12 @@ class Lifecycle:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
     def _final_event(self, record: Container) -> None:
+        written = self.finals_written
+        if record.id in written:  # its end is in the log already, from an earlier term of this process's
+            return
+        written[record.id] = None
+        if len(written) > self.events.size:
+            del written[next(iter(written))]
         kind = _FINAL_EVENTS.get(record.state, _EXITED_EVENT)
         text = (final_text, record.state, record.reason, record.exit_code)
         if not record.detail:  # the common end: the event written directly, one call fewer than event()
