@@ -22,7 +22,7 @@ class AgentSettings(Settings):
             return None
         return EnforcerSettings(poll_interval=self.poll_interval, sample_interval=self.sample_interval,
                                 tolerance=self.overrun_tolerance, samples=self.overrun_samples,
-                                stop_grace=self.stop_grace)
+                                stop_grace=self.stop_grace, confirm_interval=self.overrun_confirm_interval)
 
     manager: str = defaults.AGENTS_ENDPOINT
     join_token: str | None = None
@@ -48,6 +48,7 @@ class AgentSettings(Settings):
     sample_interval: float = Field(defaults.SAMPLE_INTERVAL, gt=0)
     overrun_tolerance: Annotated[int, BeforeValidator(size)] = 0
     overrun_samples: int = Field(defaults.OVERRUN_SAMPLES, ge=1)
+    overrun_confirm_interval: float = Field(defaults.OVERRUN_CONFIRM_INTERVAL, ge=0)
     stop_grace: float = Field(defaults.STOP_GRACE, ge=0)
     mps: bool = False
     hook_socket: str | None = "/run/gpumgr/agent.sock"

@@ -2,12 +2,16 @@
 
 The loop reads each GPU's used memory often (cheap: one NVML memory query per GPU) and takes a
 full per-process sample (the expensive NVML call) only when the growth since the last full sample
-could have pushed some container past its grant, plus one at the regular interval. A container is
-*over* when its usage on a GPU exceeds its grant plus ``tolerance`` for ``samples`` consecutive
-full samples, or when it uses a GPU it was not granted. Then, per the container's ``on_overrun``:
-``kill`` it at once, ``stop`` it (SIGTERM, SIGKILL after a grace period), or only ``report`` it.
-Before acting, every offending PID is checked again to still be the same process in the same
-container, because PIDs are reused. Processes in no managed container are never touched.
+could have pushed some container past its grant, or when a GPU's use fell (a process that ended or
+freed memory can hide another's growth), plus one at the regular interval. A container is *over*
+when its usage on a GPU exceeds its grant plus ``tolerance`` for ``samples`` consecutive full
+samples, or when it uses a GPU it was not granted; the samples that confirm a first over reading are
+taken ``confirm_interval`` apart, not a poll apart. Then, per the container's ``on_overrun``:
+``kill`` it at once, ``stop`` it (SIGTERM, SIGKILL after a grace period), or only ``report`` it, on a
+small pool of threads, so that one container's kill never waits for another's and the loop goes on
+sampling; a container is acted on by one thread at a time. Before acting, every offending PID is
+checked again to still be the same process in the same container, because PIDs are reused.
+Processes in no managed container are never touched.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +48,7 @@ class EnforcerSettings:
     tolerance: int = 0
     samples: int = defaults.OVERRUN_SAMPLES
     stop_grace: float = defaults.STOP_GRACE
+    confirm_interval: float = defaults.OVERRUN_CONFIRM_INTERVAL
 
 
 @dataclass
@@ -68,7 +74,13 @@ class Enforcer:
         self.settings = settings or EnforcerSettings()
         self._on_overrun = on_overrun
         self._strikes: dict[tuple[str, str], int] = {}
+        #: grants acted on (or being acted on by a worker): never twice, until their container is gone
         self._acted: set[str] = set()
+        #: guards ``_acted`` and ``_backoff``, which the acting threads change too
+        self._acting = threading.Lock()
+        self._workers = ThreadPoolExecutor(defaults.ENFORCER_WORKERS, thread_name_prefix="enforce")
+        #: the last full sample found an over container it has not yet confirmed
+        self.confirming = False
         #: grant → (monotonic time before which no new attempt, the delay after the next failure)
         self._backoff: dict[str, tuple[float, float]] = {}
         self._baseline: dict[str, int] = {}
@@ -79,8 +91,9 @@ class Enforcer:
         self.full_samples = 0
 
     def stop(self) -> None:
-        """End the loop."""
+        """End the loop; actions already handed to the workers still finish."""
         self._stop.set()
+        self._workers.shutdown(wait=False)
 
     def run(self) -> None:
         """Poll until stopped; never raises (a failing sample is logged and retried)."""
@@ -89,13 +102,22 @@ class Enforcer:
             now = time.monotonic()
             try:
                 if now >= next_full or self._grew_past_room():
-                    suspicious = self.check()
-                    interval = self.settings.poll_interval if suspicious else self.settings.sample_interval
-                    next_full = time.monotonic() + interval
+                    next_full = time.monotonic() + self.next_interval(self.check())
             except Exception:  # keep enforcing whatever one sample did
                 log.exception("GPU memory sample failed")
                 next_full = time.monotonic() + self.settings.sample_interval
-            self._stop.wait(self.settings.poll_interval)
+            self._stop.wait(max(0.0, min(self.settings.poll_interval, next_full - time.monotonic())))
+
+    def next_interval(self, suspicious: bool) -> float:
+        """Seconds to the next full sample after one that returned ``suspicious``.
+
+        A first over reading is confirmed ``confirm_interval`` later: a second, independent read of
+        every process, so one glitched reading (a PID listed with a stale figure, a usage file read
+        mid-write) still kills nothing, without a whole poll interval on every kill's path.
+        """
+        if self.confirming:
+            return self.settings.confirm_interval
+        return self.settings.poll_interval if suspicious else self.settings.sample_interval
 
     def check(self) -> bool:
         """Take a full sample, act on every container over its grant; True while some are over but not yet acted on."""
@@ -106,20 +128,31 @@ class Enforcer:
         managed = {m.grant: m for m in self.runtime.managed() if m.state == State.RUNNING}
         verdicts = self._judge(sample, managed)
         self._remember_room(sample, managed)
-        pending = False
+        pending = confirming = False
         for verdict in verdicts:
             key = (verdict.grant, verdict.gpu)
             self._strikes[key] = self._strikes.get(key, 0) + 1
-            waiting = self._backoff.get(verdict.grant, (0.0, 0.0))[0] > time.monotonic()
-            if self._strikes[key] >= self.settings.samples and verdict.grant not in self._acted and not waiting:
-                self._act(managed[verdict.grant], verdict)
-            else:
-                pending = pending or verdict.grant not in self._acted
+            if self._strikes[key] >= self.settings.samples and self._claim(verdict.grant):
+                self._workers.submit(self._act_logged, managed[verdict.grant], verdict)
+            elif verdict.grant not in self._acted:
+                pending = True
+                confirming = confirming or self._strikes[key] < self.settings.samples
         over = {(v.grant, v.gpu) for v in verdicts}
         self._strikes = {k: n for k, n in self._strikes.items() if k in over}
-        self._acted &= set(managed)
-        self._backoff = {g: b for g, b in self._backoff.items() if g in managed}
-        return pending or bool(self._backoff)
+        self.confirming = confirming
+        with self._acting:
+            self._acted &= set(managed)
+            self._backoff = {g: b for g, b in self._backoff.items() if g in managed}
+            return pending or bool(self._backoff)
+
+    def _claim(self, grant: str) -> bool:
+        """Mark ``grant`` as being acted on, unless it already is or waits out a failed attempt."""
+        with self._acting:
+            waiting = self._backoff.get(grant, (0.0, 0.0))[0] > time.monotonic()
+            if grant in self._acted or waiting:
+                return False
+            self._acted.add(grant)
+            return True
 
     # --- decide ------------------------------------------------------------------------------
     def _judge(self, sample: Sample, managed: dict[str, Managed]) -> list[Verdict]:
@@ -148,23 +181,37 @@ class Enforcer:
         self._room = room
 
     def _grew_past_room(self) -> bool:
-        """Cheap check: did any GPU's used memory grow by more than its tightest container's room?"""
+        """Cheap check: did any GPU's used memory grow by more than its tightest container's room, or fall?
+
+        A fall triggers a full sample too: the bytes a killed (or shrinking) process gave back would
+        otherwise hide a neighbour's growth past its grant from every later poll until the regular
+        sample, since the baseline is only reset by a full sample. It costs one full sample per fall.
+        """
         memory = self.source.memory_poll()
         for device in self.devices:
             base = self._baseline.get(device.uuid)
             if base is None:
                 return True
             grown = memory[device.uuid] - base
-            if grown > 0 and (grown > self._room.get(device.uuid, 0) or device.uuid not in self._room):
+            if grown < 0 or (grown > 0 and (grown > self._room.get(device.uuid, 0) or device.uuid not in self._room)):
                 return True
         return False
 
     # --- act ---------------------------------------------------------------------------------
+    def _act_logged(self, container: Managed, verdict: Verdict) -> None:
+        """``_act`` on a worker, whose exceptions would otherwise vanish into its future."""
+        try:
+            self._act(container, verdict)
+        except Exception:  # the grant stays claimed: as before, no second attempt on a failed report
+            log.exception("acting on the overrun of %s failed", container.grant)
+
     def _act(self, container: Managed, verdict: Verdict) -> None:
+        """Re-check, report and act on one container (on a worker thread; the caller claimed its grant)."""
         if not self._still_theirs(container, verdict):
             log.info("overrun of %s not confirmed: its processes are gone or reused", container.grant)
+            with self._acting:
+                self._acted.discard(container.grant)
             return
-        self._acted.add(container.grant)
         detail = {"reason": verdict.reason, "gpu": verdict.gpu, "observed": verdict.observed,
                   "grant_bytes": verdict.limit, "action": container.on_overrun, "at": time.time(),
                   "pids": [pid for pid, _ in verdict.pids]}
@@ -180,12 +227,14 @@ class Enforcer:
         except Exception as exc:  # the engine refused: say so, and try again after a growing pause
             self._retry_later(container, detail, exc)
         else:
-            self._backoff.pop(container.grant, None)
+            with self._acting:
+                self._backoff.pop(container.grant, None)
 
     def _retry_later(self, container: Managed, detail: dict[str, Any], exc: Exception) -> None:
-        self._acted.discard(container.grant)
-        delay = self._backoff.get(container.grant, (0.0, defaults.KILL_RETRY_MIN))[1]
-        self._backoff[container.grant] = (time.monotonic() + delay, min(delay * 2, defaults.KILL_RETRY_MAX))
+        with self._acting:
+            self._acted.discard(container.grant)
+            delay = self._backoff.get(container.grant, (0.0, defaults.KILL_RETRY_MIN))[1]
+            self._backoff[container.grant] = (time.monotonic() + delay, min(delay * 2, defaults.KILL_RETRY_MAX))
         log.warning("could not %s %s (%s); trying again in %gs", container.on_overrun, container.container_id[:12],
                     exc, delay)
         self._on_overrun(container, {**detail, "kill_failed": str(exc), "retry_in": delay})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from gpumgr.agent.enforcer import Enforcer, EnforcerSettings, Verdict
 from gpumgr.agent.gpus.simgpu import SimSource, parse_sim_spec
 from gpumgr.agent.procmap import start_time_of
 from gpumgr.agent.runtimes.process_runtime import ProcessRuntime
+from gpumgr.wire import defaults
 from gpumgr.wire.protocol import ContainerSpec
 from tests.procs import wait_for
 
@@ -47,8 +49,8 @@ def test_two_consecutive_samples_over_the_grant_are_needed(setup):
     usage.write_text(str(2 * GiB))
     enforcer.check()
     enforcer.check()
-    assert [o["reason"] for o in overruns] == ["gpu_memory_exceeded"]
     wait_for(lambda: exits, 5, what="the killed process to be reported")
+    assert [o["reason"] for o in overruns] == ["gpu_memory_exceeded"]
     assert exits[0].state == "killed" and exits[0].detail["observed"] == 2 * GiB
 
 
@@ -110,6 +112,85 @@ def test_growth_past_the_tightest_room_triggers_a_full_sample(setup):
     assert enforcer._grew_past_room() is False  # still inside the grant's room
     usage.write_text(str(GiB + 1))
     assert enforcer._grew_past_room() is True
+
+
+def test_a_first_over_reading_is_confirmed_at_the_confirm_interval_not_a_poll_later(setup):
+    tmp_path, uuid, runtime, enforcer, overruns, exits = setup
+    _, usage = start(tmp_path, runtime, uuid, GiB // 2)
+    assert enforcer.next_interval(enforcer.check()) == enforcer.settings.sample_interval  # all quiet
+    usage.write_text(str(2 * GiB))
+    assert enforcer.next_interval(enforcer.check()) == defaults.OVERRUN_CONFIRM_INTERVAL  # strike 1: confirm soon
+    assert not overruns
+    enforcer.check()  # strike 2: acted on, nothing left to confirm
+    assert not enforcer.confirming
+    wait_for(lambda: exits, 5, what="the killed process to be reported")
+    assert [o["reason"] for o in overruns] == ["gpu_memory_exceeded"]
+
+
+def test_a_kill_that_frees_memory_cannot_hide_a_neighbours_growth(setup):
+    """On a real GPU a killed process's bytes come back at once: the GPU's total falls, and a neighbour that then
+    crosses its grant by less than was freed never made the total grow past the last full sample's."""
+    tmp_path, uuid, runtime, enforcer, _, exits = setup
+    start(tmp_path, runtime, uuid, 2 * GiB, grant="greedy")
+    _, neighbour = start(tmp_path, runtime, uuid, GiB // 2, grant="neighbour")
+    enforcer.check()
+    enforcer.check()  # greedy is killed ...
+    wait_for(lambda: exits, 5, what="the killed process to be reported")
+    assert enforcer.source.memory_poll()[uuid] == GiB // 2  # ... and, as on NVML, its bytes are free at once
+    assert enforcer._grew_past_room() is True  # a fall is looked at: the next full sample is taken now
+    enforcer.check()
+    neighbour.write_text(str(GiB + GiB // 2))  # over its grant, yet less than greedy gave back
+    assert enforcer._grew_past_room() is True
+
+
+def test_a_fall_in_use_triggers_one_full_sample_then_the_room_counts_from_there(setup):
+    tmp_path, uuid, runtime, enforcer, _, _ = setup
+    _, usage = start(tmp_path, runtime, uuid, 3 * GiB // 4)
+    enforcer.check()
+    usage.write_text(str(GiB // 4))
+    assert enforcer._grew_past_room() is True
+    enforcer.check()
+    assert enforcer._grew_past_room() is False
+    usage.write_text(str(GiB // 2))  # grew by less than the room left under the grant
+    assert enforcer._grew_past_room() is False
+
+
+class BlockingKills(ProcessRuntime):
+    """A runtime whose kill of one chosen grant hangs until released, as a stuck engine call would."""
+
+    def __init__(self, *args, stuck: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.stuck, self.release, self.kills = stuck, threading.Event(), []
+
+    def kill(self, grant, reason, detail=None) -> None:
+        self.kills.append(grant)
+        if grant == self.stuck:
+            self.release.wait(30)
+        super().kill(grant, reason, detail)
+
+
+def test_kills_of_different_containers_do_not_wait_on_each_other_and_none_is_acted_on_twice(tmp_path):
+    devices = parse_sim_spec("sim:1x8GiB", seed=f"unit-{tmp_path.name}")
+    exits: list = []
+    runtime = BlockingKills(exits.append, log_dir=str(tmp_path / "logs"), stuck="slow")
+    enforcer = Enforcer(SimSource(devices), devices, runtime, lambda m, d: None, EnforcerSettings(samples=2))
+    try:
+        start(tmp_path, runtime, devices[0].uuid, 2 * GiB, grant="slow")
+        start(tmp_path, runtime, devices[0].uuid, 2 * GiB, grant="fast")
+        enforcer.check()
+        enforcer.check()  # both confirmed: two kills handed to the workers; the slow one hangs
+        wait_for(lambda: [m.grant for m in exits] == ["fast"], 10, what="the other container's kill")
+        for _ in range(3):  # the slow one is still over and still running: it is not acted on again
+            assert enforcer.check() is False
+        assert runtime.get("slow").state == "running"
+        runtime.release.set()
+        wait_for(lambda: len(exits) == 2, 10, what="the stuck kill to go through")
+        assert sorted(runtime.kills) == ["fast", "slow"]
+    finally:
+        runtime.release.set()
+        enforcer.stop()
+        for managed in runtime.managed():
+            runtime.remove(managed.grant, 1)
 
 
 @pytest.mark.docker

@@ -42,6 +42,11 @@ CLI_TIMEOUT = CREATE_TIMEOUT + 30.0
 POLL_INTERVAL = 0.1
 SAMPLE_INTERVAL = HEARTBEAT_INTERVAL
 OVERRUN_SAMPLES = 2
+#: The samples that confirm a first over reading are taken this far apart: an independent second read,
+#: not a poll interval on every kill's path (issue 36: the kill tail).
+OVERRUN_CONFIRM_INTERVAL = 0.02
+#: Threads the enforcer acts on (report, re-check, kill), so kills of different containers never queue.
+ENFORCER_WORKERS = 4
 #: A kill the engine refused is retried after this pause, doubling up to the cap.
 KILL_RETRY_MIN = 0.2
 KILL_RETRY_MAX = 5.0

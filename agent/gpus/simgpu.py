@@ -5,12 +5,14 @@ Simulated usage is a user-facing contract: a process whose environment holds
 the process's own filesystem (``/proc/<pid>/root/<path>``, so it works in containers). It uses the
 first GPU it can see (``NVIDIA_VISIBLE_DEVICES``, else ``CUDA_VISIBLE_DEVICES``, else index 0); a
 comma list of numbers charges each visible GPU in order. Processes sharing one file count once.
+As on NVML, a process that has ended uses nothing from that moment (its file may still be there).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import select
 import stat
 import threading
 import time
@@ -164,6 +166,8 @@ class _UsageFile:
 
     fd: int
     key: tuple[int, int]
+    #: a pidfd of the process (readable once it has ended), where the agent shares its PID namespace
+    pidfd: int | None = None
 
 
 class SimSource:
@@ -192,6 +196,9 @@ class SimSource:
         #: simulated PIDs in ascending order: the lowest of several sharing one file is charged
         self._simulated: list[int] = []
         self._files: dict[int, _UsageFile] = {}
+        #: the held pidfds, polled at once to learn which simulated processes have ended
+        self._exits = select.poll()
+        self._pid_of: dict[int, int] = {}
         self._identified_all_at = -REIDENTIFY_SECONDS
 
     def devices(self) -> list[Device]:
@@ -324,7 +331,10 @@ class SimSource:
         """Usage per PID and uuid; the lowest PID of several sharing one file is charged once."""
         usage: dict[int, dict[str, int]] = {}
         files_seen: set[tuple[int, int]] = set()
+        ended = {self._pid_of[fd] for fd, _ in self._exits.poll(0)} if self._pid_of else set()
         for pid in self._simulated:
+            if pid in ended:
+                continue
             process = self._known[pid]
             amounts = self._read_file(pid, process, files_seen, fresh)
             if amounts:
@@ -376,13 +386,29 @@ class SimSource:
         if not stat.S_ISREG(info.st_mode):
             os.close(fd)
             return None
-        held = self._files[pid] = _UsageFile(fd, (info.st_dev, info.st_ino))
+        held = self._files[pid] = _UsageFile(fd, (info.st_dev, info.st_ino), self._pidfd(pid))
         return held
+
+    def _pidfd(self, pid: int) -> int | None:
+        """A pidfd of ``pid`` to learn when it ends, or None where PIDs are not ours (another ``proc``)."""
+        if os.path.realpath(self._proc) != procmap.PROC:
+            return None
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:  # gone already, or a kernel without pidfds: counted until the next snapshot
+            return None
+        self._exits.register(pidfd, select.POLLIN)
+        self._pid_of[pidfd] = pid
+        return pidfd
 
     def _forget_file(self, pid: int) -> None:
         held = self._files.pop(pid, None)
         if held is not None:
             os.close(held.fd)
+            if held.pidfd is not None:
+                self._exits.unregister(held.pidfd)
+                del self._pid_of[held.pidfd]
+                os.close(held.pidfd)
 
 
 def parse_usage(data: bytes) -> list[int]:
