@@ -21,7 +21,17 @@ total does not change: the worst case of the enforcer's cheap growth check, whic
 All clocks are this host's wall clock. Every container carries a per-run label and is force-removed
 at the end, even if the run fails.
 
+``--concurrent N`` measures the tail instead (issue 36): each of ``--rounds`` rounds starts N
+containers (1 GiB grants using 0.5 GiB, binpacked, so all share one GPU as ten jobs on one H200
+did), waits until the manager shows each one's use, then writes 2 GiB into each usage file at
+staggered times, random over ``--spread`` s (so each crossing lands at a random point of the
+enforcer's cycle, and later ones cross while earlier ones are being killed and their bytes freed).
+Each latency is from its own write to its own ``die`` event; every container must end ``killed``
+for ``gpu_memory_exceeded``. ``--tree DIR`` runs the manager and agent of another checkout
+(``DIR/.venv/bin/python -m gpumgr``) under this measuring code: the same bench before and after.
+
     python bench/enforcement_latency.py [--trials 50] [--warmup 2] [--neighbours 0] [--json out.json]
+    python bench/enforcement_latency.py --concurrent 10 [--rounds 5] [--spread 1.0] [--tree DIR]
 """
 
 from __future__ import annotations
@@ -164,15 +174,101 @@ def manager_view(s: Stack, cid: str, died: float | None, t0: float, last_event: 
             "overrun_events": sum(1 for e in mine if e["type"] == "overrun")}
 
 
+#: How every crossing of ``--concurrent`` must end: killed by the enforcer.
+KILLED = ("killed", "gpu_memory_exceeded")
+
+
 def ms(v: float | None) -> str:
     return "   -   " if v is None else f"{v * 1000:7.1f}"
+
+
+def crossings(s: Stack, events: DieEvents, args: argparse.Namespace, rng: random.Random) -> list[dict[str, Any]]:
+    """One round of ``--concurrent``: N containers cross their grants at staggered times; each one's latency."""
+    records = [create(s, "1GiB", GiB // 2, placement="binpack") for _ in range(args.concurrent)]
+    try:
+        for record in records:
+            wait_usage(s, record["id"], GiB // 2)
+        pids = [s.pid(record["container_id"]) for record in records]
+        time.sleep(rng.uniform(0, args.phase))
+        offsets = sorted(rng.uniform(0, args.spread) for _ in records)
+        start, written = time.time(), []
+        for pid, offset in zip(pids, offsets, strict=True):
+            time.sleep(max(0.0, start + offset - time.time()))
+            written.append(time.time())
+            write_usage(pid, 2 * GiB)
+        return [ended(s, events, record, t0) for record, t0 in zip(records, written, strict=True)]
+    finally:
+        for record in records:
+            if s.api.delete(f"/v1/containers/{record['id']}").status_code != 200:
+                with contextlib.suppress(docker.errors.APIError):
+                    s.docker.api.remove_container(record["container_id"], force=True)
+
+
+def ended(s: Stack, events: DieEvents, record: dict[str, Any], t0: float) -> dict[str, Any]:
+    """How one crossing ended: its die time after ``t0`` and the state and reason the manager gave it."""
+    died = events.wait(record["container_id"], timeout=20)
+    state = wait_for(lambda: (r := s.api.get(f"/v1/containers/{record['id']}").json())["state"]
+                     not in ("running", "creating") and r, 10, what=f"{record['id']} to end")
+    return {"id": record["id"], "gpu": record["gpus"][0]["index"], "die_s": None if died is None else died - t0,
+            "state": state["state"], "reason": state.get("reason")}
+
+
+def run_concurrent(args: argparse.Namespace, out: dict[str, list]) -> None:
+    """Start the stack and run ``--rounds`` rounds of ``--concurrent`` crossings into ``out["rounds"]``."""
+    rng = random.Random(args.seed)
+    with stack(name="enf-tail", gpus=args.gpus, agent_env=interval_env(args), keep_logs=True, tree=args.tree) as s:
+        events = DieEvents(s.labels)
+        try:
+            for number in range(args.warmup + args.rounds):
+                results = crossings(s, events, args, rng)
+                wrong = [r for r in results if r["die_s"] is None or (r["state"], r["reason"]) != KILLED]
+                out["failures"].extend(f"round {number + 1}: {r}" for r in wrong)
+                latencies = [r["die_s"] for r in results if r["die_s"] is not None]
+                label = "warmup" if number < args.warmup else f"round {number + 1 - args.warmup}"
+                print(f"  {label}: " + " ".join(f"{v * 1000:.0f}" for v in sorted(latencies)) + " ms",
+                      file=sys.stderr, flush=True)
+                if number >= args.warmup:
+                    out["rounds"].append(results)
+        finally:
+            events.close()
+
+
+def report_concurrent(args: argparse.Namespace, out: dict[str, list], info: dict[str, Any]) -> int:
+    """Print each round's p50/p90/p99/max and all rounds pooled; PASS when the pooled p99 meets ``--target``."""
+    rows, pooled = [], []
+    for number, results in enumerate(out["rounds"], 1):
+        latencies = [r["die_s"] for r in results if r["die_s"] is not None]
+        pooled += latencies
+        if latencies:
+            rows.append([f"round {number}", *_cells(summary(latencies))])
+    if not pooled:
+        print("no round completed", file=sys.stderr)
+        return 1
+    stats = summary(pooled)
+    rows.append([f"all {len(out['rounds'])} rounds", *_cells(stats)])
+    settings = ", ".join(f"{k}={v}" for k, v in interval_env(args).items()) or "default enforcement settings"
+    tree = f"tree {args.tree} ({harness.commit(args.tree)})" if args.tree else "this tree"
+    table([("crossing write -> die", "22"), ("n", "4"), *((c, "8.1f") for c in ("p50", "p90", "p99", "max"))],
+          rows, note="  (ms)", lead=f"\nkill tail: {args.concurrent} containers on one GPU crossing over "
+                                   f"{args.spread:g} s, agent {args.gpus}, {settings}; {tree}; {machine_line(info)}\n")
+    verdict = "PASS" if stats["p99"] <= args.target and not out["failures"] else "MISS"
+    print(f"\ntarget p99 <= {args.target:.2f} s: {verdict} (p99 {stats['p99']:.3f} s, max {stats['max']:.3f} s)")
+    for failure in out["failures"]:
+        print("  problem: " + failure)
+    harness.save(args.json, "enforcement_latency_concurrent", args, machine=info, stats=stats, rounds=out["rounds"],
+                 failures=out["failures"], verdict=verdict, tree_commit=harness.commit(args.tree or harness.ROOT))
+    return 0 if verdict == "PASS" else 1
+
+
+def _cells(stats: dict[str, float]) -> list[float]:
+    return [stats["n"], *(stats[c] * 1000 for c in ("p50", "p90", "p99", "max"))]
 
 
 def run(args: argparse.Namespace, out: dict[str, list]) -> None:
     """Start the stack and run the trials into ``out`` (results, failures, interfered, spurious)."""
     rng = random.Random(args.seed)
     started = time.monotonic()
-    with stack(name="enf-lat", gpus=args.gpus, agent_env=interval_env(args), keep_logs=True) as s:
+    with stack(name="enf-lat", gpus=args.gpus, agent_env=interval_env(args), keep_logs=True, tree=args.tree) as s:
         events = DieEvents(s.labels)
         try:
             for _ in range(args.neighbours):
@@ -235,10 +331,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="attempts beyond trials+warmup allowed for trials spoiled by someone else")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--concurrent", type=int, metavar="N",
+                        help="the tail: N containers on one GPU cross their grants at staggered times, each round")
+    parser.add_argument("--rounds", type=int, default=5, help="with --concurrent: timed rounds (after --warmup ones)")
+    parser.add_argument("--spread", type=float, default=1.0, help="with --concurrent: the crossings' spread, seconds")
+    parser.add_argument("--tree", type=Path, help="run the manager and agent of this checkout (DIR/.venv/bin/python)")
     args = parser.parse_args(argv)
+    if args.tree is not None and not (args.tree / ".venv" / "bin" / "python").exists():
+        parser.error(f"--tree {args.tree}: no .venv/bin/python there")
 
     info = machine()
-    out: dict[str, list] = {"results": [], "failures": [], "interfered": [], "spurious": []}
+    if args.concurrent:
+        out: dict[str, list] = {"rounds": [], "failures": []}
+        try:
+            run_concurrent(args, out)
+        except KeyboardInterrupt:
+            out["failures"].append("interrupted")
+        return report_concurrent(args, out, info)
+    out = {"results": [], "failures": [], "interfered": [], "spurious": []}
     try:
         run(args, out)
     except KeyboardInterrupt:

@@ -116,10 +116,10 @@ def _proc_value(path: str, key: str) -> str:
     return ""
 
 
-def commit() -> str:
-    """The checkout's HEAD, with ``+dirty`` when tracked files differ from it."""
-    head = first_line(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
-    dirty = first_line(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])
+def commit(tree: Path = ROOT) -> str:
+    """The checkout's HEAD (or ``tree``'s), with ``+dirty`` when tracked files differ from it."""
+    head = first_line(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"])
+    dirty = first_line(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"])
     return head + ("+dirty" if dirty else "") if head else "unknown"
 
 
@@ -164,11 +164,12 @@ def interrupt(*_: Any) -> None:
 
 
 class Proc:
-    """A child process in its own session, its stdout and stderr in ``log``."""
+    """A child process in its own session (in ``cwd``, the checkout by default), its stdout and stderr in ``log``."""
 
-    def __init__(self, argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None,
+                 cwd: Path = ROOT) -> None:
         self.log, self._out = log, open(log, "ab")  # noqa: SIM115 - held for the child's lifetime, closed in stop()
-        self.popen = subprocess.Popen(list(argv), cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        self.popen = subprocess.Popen(list(argv), cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                                       stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True)
         self.pid = self.popen.pid
 
@@ -192,9 +193,15 @@ class Proc:
         return self.popen.returncode
 
 
-def gpumgr(args: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> Proc:
-    """``python -m gpumgr ARGS``, as the README starts the manager and the agents."""
-    return Proc([sys.executable, "-m", "gpumgr", *args], log, env)
+def gpumgr(args: Sequence[str], log: Path, env: Mapping[str, str] | None = None, tree: Path | None = None) -> Proc:
+    """``python -m gpumgr ARGS``, as the README starts the manager and the agents.
+
+    With ``tree``, the gpumgr of another checkout runs instead (its ``.venv``, in its folder): a bench
+    measures the code before a change with its own, newer measuring code.
+    """
+    if tree is None:
+        return Proc([sys.executable, "-m", "gpumgr", *args], log, env)
+    return Proc([str(tree / ".venv" / "bin" / "python"), "-m", "gpumgr", *args], log, env, cwd=tree)
 
 
 class Client(requests.Session):
@@ -225,6 +232,7 @@ class Stack:
     agents: list[Proc] = field(default_factory=list)
     nodes: list[str] = field(default_factory=list)
     join_token: str | None = None  # what agents join with, where the link is secured (gpumgr.wire.security)
+    tree: Path | None = None  # the checkout whose gpumgr runs (None: this one)
 
     @property
     def labels(self) -> dict[str, str]:
@@ -269,7 +277,7 @@ class Stack:
 @contextlib.contextmanager
 def stack(agents: int = 1, *, name: str = "bench", gpus: str = "sim:2x24GiB", runtime: str = "docker",
           agent_env: Mapping[str, str] | None = None, manager_env: Mapping[str, str] | None = None,
-          keep_logs: bool = False) -> Iterator[Stack]:
+          keep_logs: bool = False, tree: Path | None = None) -> Iterator[Stack]:
     """A manager and ``agents`` agents (nodes ``NAME-RUNID-i``, ``--gpus GPUS --runtime RUNTIME``), all ready.
 
     Each process keeps its state (keys, join secret) in the stack's temporary folder; agents join with
@@ -277,6 +285,7 @@ def stack(agents: int = 1, *, name: str = "bench", gpus: str = "sim:2x24GiB", ru
     With the Docker runtime on the local engine (no DOCKER_HOST in ``agent_env``) the test image is
     built if missing and the run's containers are removed on exit. SIGTERM raises KeyboardInterrupt
     meanwhile. The processes' logs are deleted on exit unless ``keep_logs`` or the block failed.
+    With ``tree``, the manager and agents are another checkout's (see ``gpumgr``).
     """
     api, port, run_id = free_port(), free_port(), uuid.uuid4().hex[:12]
     tmp = Path(tempfile.mkdtemp(prefix=f"gpumgr-{name}-"))
@@ -285,15 +294,15 @@ def stack(agents: int = 1, *, name: str = "bench", gpus: str = "sim:2x24GiB", ru
     secure = importlib.util.find_spec("gpumgr.wire.security") is not None  # the link needs a join token
     state = ["--state-dir", str(tmp / "manager-state")] if secure else []
     proc = gpumgr(["manager", "--api", f"127.0.0.1:{api}", "--agents", f"tcp://127.0.0.1:{port}", *state],
-                  tmp / "manager.log", manager_env)
+                  tmp / "manager.log", manager_env, tree)
     url = f"http://127.0.0.1:{api}"
-    s = Stack(run_id, tmp, proc, url, f"tcp://127.0.0.1:{port}", Client(url))
+    s = Stack(run_id, tmp, proc, url, f"tcp://127.0.0.1:{port}", Client(url), tree=tree)
     ok = False
     try:
         if local:
             ensure_image(s.docker)
         wait_for(lambda: s.manager.check() and answers(f"{s.url}/healthz"), START_TIMEOUT, what="the manager")
-        s.join_token = join_token(tmp / "manager-state") if secure else None
+        s.join_token = join_token(tmp / "manager-state", tree) if secure else None
         _agents(s, agents, name, ["--gpus", gpus, "--runtime", runtime], agent_env or {})
         yield s
         ok = True
@@ -309,7 +318,7 @@ def _agents(s: Stack, count: int, name: str, args: list[str], env: Mapping[str, 
         own = {"GPUMGR_NETWORK_MODE": "none", "GPUMGR_HOOK_SOCKET": str(s.tmp / f"hook-{i}.sock"), **env}
         join = ["--join", s.join_token, "--state-dir", str(s.tmp / f"{node}-state")] if s.join_token else []
         s.agents.append(gpumgr(["agent", "--manager", s.endpoint, "--node", node, *args, *join], s.tmp / f"{node}.log",
-                               own))
+                               own, s.tree))
 
     def ready() -> bool:
         states = {n["name"]: n["state"] for n in s.api.get("/v1/nodes").json()["nodes"]}
@@ -318,9 +327,10 @@ def _agents(s: Stack, count: int, name: str, args: list[str], env: Mapping[str, 
     wait_for(ready, START_TIMEOUT, what=f"nodes {', '.join(s.nodes)} to be ready")
 
 
-def join_token(state_dir: Path) -> str:
-    """The manager's join token: the last line of ``gpumgr join-token --state-dir STATE_DIR``."""
-    done = subprocess.run([sys.executable, "-m", "gpumgr", "join-token", "--state-dir", str(state_dir)], cwd=ROOT,
+def join_token(state_dir: Path, tree: Path | None = None) -> str:
+    """The manager's join token: the last line of ``gpumgr join-token --state-dir STATE_DIR`` (of ``tree``'s gpumgr)."""
+    python = sys.executable if tree is None else str(tree / ".venv" / "bin" / "python")
+    done = subprocess.run([python, "-m", "gpumgr", "join-token", "--state-dir", str(state_dir)], cwd=tree or ROOT,
                           capture_output=True, text=True, check=True)
     return done.stdout.strip().splitlines()[-1]
 
