@@ -209,8 +209,10 @@ def ended(s: Stack, events: DieEvents, record: dict[str, Any], t0: float) -> dic
     died = events.wait(record["container_id"], timeout=20)
     state = wait_for(lambda: (r := s.api.get(f"/v1/containers/{record['id']}").json())["state"]
                      not in ("running", "creating") and r, 10, what=f"{record['id']} to end")
+    overrun = state.get("detail", {}).get("overrun", {})
     return {"id": record["id"], "gpu": record["gpus"][0]["index"], "die_s": None if died is None else died - t0,
-            "state": state["state"], "reason": state.get("reason")}
+            "decided_s": overrun["at"] - t0 if "at" in overrun else None, "state": state["state"],
+            "reason": state.get("reason")}
 
 
 def run_concurrent(args: argparse.Namespace, out: dict[str, list]) -> None:
