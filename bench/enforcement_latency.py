@@ -249,10 +249,10 @@ def report_concurrent(args: argparse.Namespace, out: dict[str, list], info: dict
     stats = summary(pooled)
     rows.append([f"all {len(out['rounds'])} rounds", *_cells(stats)])
     settings = ", ".join(f"{k}={v}" for k, v in interval_env(args).items()) or "default enforcement settings"
-    tree = f"tree {args.tree} ({harness.commit(args.tree)})" if args.tree else "this tree"
     table([("crossing write -> die", "22"), ("n", "4"), *((c, "8.1f") for c in ("p50", "p90", "p99", "max"))],
           rows, note="  (ms)", lead=f"\nkill tail: {args.concurrent} containers on one GPU crossing over "
-                                   f"{args.spread:g} s, agent {args.gpus}, {settings}; {tree}; {machine_line(info)}\n")
+                                   f"{args.spread:g} s, agent {args.gpus}, {settings}; {tree_line(args)}; "
+                                   f"{machine_line(info)}\n")
     verdict = "PASS" if stats["p99"] <= args.target and not out["failures"] else "MISS"
     print(f"\ntarget p99 <= {args.target:.2f} s: {verdict} (p99 {stats['p99']:.3f} s, max {stats['max']:.3f} s)")
     for failure in out["failures"]:
@@ -260,6 +260,11 @@ def report_concurrent(args: argparse.Namespace, out: dict[str, list], info: dict
     harness.save(args.json, "enforcement_latency_concurrent", args, machine=info, stats=stats, rounds=out["rounds"],
                  failures=out["failures"], verdict=verdict, tree_commit=harness.commit(args.tree or harness.ROOT))
     return 0 if verdict == "PASS" else 1
+
+
+def tree_line(args: argparse.Namespace) -> str:
+    """Whose manager and agent ran: ``--tree``'s checkout and its commit, or this one."""
+    return f"tree {args.tree} ({harness.commit(args.tree)})" if args.tree else "this tree"
 
 
 def _cells(stats: dict[str, float]) -> list[float]:
@@ -377,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     table([("metric", "38"), ("n", "4"), *((c, "8.1f") for c in cells)],
           [[s["label"], s["n"], *(s[c] * 1000 for c in cells)] for s in stats.values()], note="  (ms)",
           lead=f"\nenforcement latency: {len(timed)} trials, agent {args.gpus}, {args.neighbours} neighbours, "
-               f"{'growth masked by a neighbour, ' if args.mask else ''}{settings}; {machine_line(info)}\n")
+               f"{'growth masked by a neighbour, ' if args.mask else ''}{settings}; {tree_line(args)}; "
+               f"{machine_line(info)}\n")
     p99 = stats["die_s"]["p99"]
     verdict = "PASS" if p99 <= args.target and not failures else "MISS"
     print(f"\ntarget p99(die) <= {args.target:.2f} s: {verdict} (p99 {p99:.3f} s, max {stats['die_s']['max']:.3f} s)")
