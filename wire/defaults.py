@@ -46,7 +46,7 @@ OVERRUN_SAMPLES = 2
 #: not a poll interval on every kill's path (issue 36: the kill tail).
 OVERRUN_CONFIRM_INTERVAL = 0.02
 #: Threads the enforcer acts on (report, re-check, kill), so kills of different containers never queue.
-ENFORCER_WORKERS = 4
+ENFORCER_WORKERS = 8
 #: A kill the engine refused is retried after this pause, doubling up to the cap.
 KILL_RETRY_MIN = 0.2
 KILL_RETRY_MAX = 5.0
