@@ -46,6 +46,8 @@ PARTS = ("tail", "example", "mps", "shares", "burst")
 MATMUL_SIZE = 8192
 #: Exit status of a job that met CUDA's OutOfMemoryError.
 EXIT_OOM = 3
+#: How every crossing job must end.
+KILLED = ("killed", "gpu_memory_exceeded")
 
 
 # --- the jobs (run as gpumgr "containers" of the process runtime; only these import torch) ---------
@@ -133,11 +135,10 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 # --- the driver ----------------------------------------------------------------------------------
 class Check:
-    """One run of the parts against one stack; ``results`` is what goes to ``gpu_check.json``."""
+    """The parts, each a method returning its figures and ``pass``, against one stack."""
 
     def __init__(self, s: Any, args: argparse.Namespace, work: Path) -> None:
         self.s, self.args, self.work = s, args, work
-        self.results: dict[str, Any] = {}
         self.rng = random.Random(args.seed)
 
     def job(self, name: str, grant: str, mode: str, *extra: str, **body: Any) -> tuple[dict[str, Any], Path]:
@@ -171,16 +172,15 @@ class Check:
         wait_for(lambda: all(p.exists() and "ready" in json.loads(p.read_text()) for p in results), timeout,
                  interval=0.1, what="the jobs' CUDA start")
 
-    def go(self, name: str, lead: float = 2.0) -> Path:
-        """A go file holding a moment ``lead`` s from now (after the agent's next full samples)."""
-        path = self.work / f"{name}.go"
-        path.write_text(repr(time.time() + lead))
-        return path
-
     def remove(self, *records: dict[str, Any]) -> None:
         for record in records:
             if "id" in record:
                 self.s.api.delete(f"/v1/containers/{record['id']}")
+
+    def clear(self) -> None:
+        """Remove whatever a part left running (one that failed midway), so the next starts on a free GPU."""
+        self.remove(*(r for r in self.s.api.get("/v1/containers").json()["containers"]
+                      if r["state"] in ("running", "creating")))
 
     # --- the parts --------------------------------------------------------------------------------
     def tail(self) -> dict[str, Any]:
@@ -193,26 +193,14 @@ class Check:
             jobs = [self.job(f"tail-{number}-{i}", "3GiB", "cross", "--hold", str(GiB + GiB // 2),
                              "--grow", str(2 * GiB), "--offset", f"{offset:.4f}", "--go", str(go))
                     for i, offset in enumerate(offsets)]
-            if any("refused" in record for record, _ in jobs):
-                return {"error": next(record for record, _ in jobs if "refused" in record)}
-            self.ready([path for _, path in jobs])
-            exits = ExitWatch([json.loads(path.read_text())["pid"] for _, path in jobs])
-            go.write_text(repr(time.time() + 2.0))  # two regular full samples first: every PID is known
-            died = exits.wait(self.args.spread + 30)
-            latencies, wrong = [], []
-            for (record, path), pid in zip(jobs, exits.pids, strict=True):
-                mark = path.with_suffix(".crossed")
-                crossed = float(text) if mark.exists() and (text := mark.read_text().strip()) else None
-                end = self.ended(record, 10)
-                if crossed is None or pid not in died or (end["state"], end["reason"]) != ("killed",
-                                                                                          "gpu_memory_exceeded"):
-                    wrong.append({"id": record["id"], "state": end["state"], "reason": end["reason"],
-                                  "crossed": crossed is not None, "exited": pid in died})
-                else:
-                    latencies.append(died[pid] - crossed)
-            self.remove(*(record for record, _ in jobs))
-            rounds.append({"latencies_s": sorted(latencies), "wrong": wrong})
-            print(f"  tail round {number + 1}: " + " ".join(f"{v * 1000:.0f}" for v in sorted(latencies)) + " ms"
+            try:
+                if any("refused" in record for record, _ in jobs):
+                    return {"error": next(record for record, _ in jobs if "refused" in record), "pass": False}
+                rounds.append(self.tail_round(jobs, go))
+            finally:
+                self.remove(*(record for record, _ in jobs))
+            latencies, wrong = rounds[-1]["latencies_s"], rounds[-1]["wrong"]
+            print(f"  tail round {number + 1}: " + " ".join(f"{v * 1000:.0f}" for v in latencies) + " ms"
                   + (f"; {len(wrong)} not killed as expected: {wrong}" if wrong else ""), flush=True)
         from bench.harness import summary
 
@@ -220,6 +208,24 @@ class Check:
         stats = summary(pooled, 1000) if pooled else {}
         ok = bool(pooled) and stats["p99"] <= 250 and not any(r["wrong"] for r in rounds)
         return {"rounds": rounds, "ms": stats, "pass": ok}
+
+    def tail_round(self, jobs: list[tuple[dict[str, Any], Path]], go: Path) -> dict[str, Any]:
+        """Once every job holds its bytes: let them cross, and time each from its crossing to its exit."""
+        self.ready([path for _, path in jobs])
+        exits = ExitWatch([json.loads(path.read_text())["pid"] for _, path in jobs])
+        go.write_text(repr(time.time() + 2.0))  # two regular full samples first: every PID is known
+        died = exits.wait(self.args.spread + 30)
+        latencies, wrong = [], []
+        for (record, path), pid in zip(jobs, exits.pids, strict=True):
+            mark = path.with_suffix(".crossed")
+            crossed = float(text) if mark.exists() and (text := mark.read_text().strip()) else None
+            end = self.ended(record, 10)
+            if crossed is None or pid not in died or (end["state"], end["reason"]) != KILLED:
+                wrong.append({"id": record["id"], "state": end["state"], "reason": end["reason"],
+                              "crossed": crossed is not None, "exited": pid in died})
+            else:
+                latencies.append(died[pid] - crossed)
+        return {"latencies_s": sorted(latencies), "wrong": wrong}
 
     def example(self) -> dict[str, Any]:
         """examples/pytorch/train.py under a 6 GiB grant: exits 0, never killed."""
@@ -331,13 +337,17 @@ def mps_stop(pipe: str) -> None:
                    env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": pipe})
 
 
-def run_parts(args: argparse.Namespace, work: Path, parts: list[str], mps: str | None) -> dict[str, Any]:
-    """One stack (the process runtime on NVML; with MPS when ``mps`` names its pipe directory) for ``parts``."""
+def run_parts(args: argparse.Namespace, work: Path, parts: list[str], mps: str | None,
+              results: dict[str, Any]) -> None:
+    """One stack (the process runtime on NVML; with MPS when ``mps`` names its pipe directory) for ``parts``.
+
+    Each part's figures go into ``results`` and ``OUT/gpu_check.json`` as soon as it ends, so a run
+    cut short by its time limit still leaves what it measured.
+    """
     from bench.harness import stack
 
     env = {"GPUMGR_MPS": "true", "CUDA_MPS_PIPE_DIRECTORY": mps} if mps else {}
-    results: dict[str, Any] = {}
-    with stack(name="gpu-check", gpus="nvml", runtime="process", agent_env={**env, "GPUMGR_PROCESS_LOG_DIR":
+    with stack(name="gpu-check", gpus=args.gpus, runtime="process", agent_env={**env, "GPUMGR_PROCESS_LOG_DIR":
                                                                             str(work / "logs")},
                manager_env={"GPUMGR_BURST_MIN_RUNTIME": "1"}, keep_logs=True) as s:
         check = Check(s, args, work)
@@ -349,9 +359,10 @@ def run_parts(args: argparse.Namespace, work: Path, parts: list[str], mps: str |
                 results[part] = calls[part]()
             except Exception as exc:  # one part failing still leaves the others their turn
                 results[part] = {"error": f"{type(exc).__name__}: {exc}", "pass": False}
+            check.clear()
             results[part]["wall_s"] = round(time.monotonic() - started, 1)
+            (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str))
             print(f"{part}: {json.dumps(results[part], default=str)[:2000]}", flush=True)
-    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -366,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spread", type=float, default=1.0, help="tail: seconds the crossings are spread over")
     parser.add_argument("--seconds", type=float, default=6.0, help="shares: seconds of matrix products")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--gpus", default="nvml", help="the agent's --gpus (nvml: the real GPU)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
@@ -378,14 +390,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpumgr-gpu-check-"))
-    results = run_parts(args, work, plain, None) if plain else {}
+    results: dict[str, Any] = {}
+    if plain:
+        run_parts(args, work, plain, None, results)
     if shared:
         pipe = mps_start(work)
         if pipe is None:
             results.update({p: {"skipped": "no MPS control daemon could be started"} for p in shared})
         else:
             try:
-                results.update(run_parts(args, work, shared, pipe))
+                run_parts(args, work, shared, pipe, results)
             finally:
                 mps_stop(pipe)
     (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str))
