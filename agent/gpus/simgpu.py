@@ -5,7 +5,8 @@ Simulated usage is a user-facing contract: a process whose environment holds
 the process's own filesystem (``/proc/<pid>/root/<path>``, so it works in containers). It uses the
 first GPU it can see (``NVIDIA_VISIBLE_DEVICES``, else ``CUDA_VISIBLE_DEVICES``, else index 0); a
 comma list of numbers charges each visible GPU in order. Processes sharing one file count once.
-As on NVML, a process that has ended uses nothing from that moment (its file may still be there).
+As on NVML, a process that has ended uses nothing from that moment (its file may still be there),
+where the agent sees processes in its own PID namespace (else from the next process snapshot).
 """
 
 from __future__ import annotations
