@@ -17,7 +17,7 @@ from gpumgr.plugin.cli_base import _format, _print_table
 from gpumgr.plugin.services import service
 from gpumgr.wire.units import format_bytes
 
-METADATA = {"SchemaVersion": "0.1.0", "Vendor": "gpumgr", "Version": "0.2.0",
+METADATA = {"SchemaVersion": "0.1.0", "Vendor": "gpumgr", "Version": "0.3.0",
             "ShortDescription": "GPU memory grants for containers and Swarm services"}
 
 

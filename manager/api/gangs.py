@@ -40,6 +40,9 @@ def create_gang() -> tuple[Response, int]:
     if reserved:
         raise InvalidRequest(f"env: {', '.join(reserved[:8])} are reserved: gpumgr sets GPUMGR_GANG* and PET_* "
                              "in each member (its rank and the rendezvous)")
+    if body.compute_share is not None:  # a gang's one decision does not weigh shares: refused, never ignored
+        raise InvalidRequest("compute_share is not offered for gangs: place each member with POST /v1/containers, "
+                             "or leave compute_share out")
     if body.restart != "gang" and body.max_restarts:
         raise InvalidRequest("max_restarts needs restart: gang")
     member, tenant = placement_of(body)

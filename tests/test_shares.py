@@ -1,0 +1,116 @@
+"""Compute shares in the scheduler and the model (issue 36): at most 100 percent per GPU, on MPS GPUs only.
+
+The scheduler is checked on small maps against what the rule says; the model (a real :class:`Cluster`,
+no processes) on grants, releases, the queue, preemption and its own invariant check.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gpumgr.manager.model.cluster import Cluster, PlacementSpec
+from gpumgr.manager.placing.scheduler import FreeIndex, GpuSlot, Request, place
+from gpumgr.manager.placing.shares import MPS_ONLY, ShareRoom, ever_fits, with_share
+from gpumgr.wire.constraints import NO_CONSTRAINTS, parse, parse_all
+from gpumgr.wire.errors import NoFit
+from gpumgr.wire.protocol import GpuInfo
+
+G = 1 << 30
+
+
+def index_of(*slots: GpuSlot) -> FreeIndex:
+    index = FreeIndex()
+    for each in slots:
+        index.add(each)
+    return index
+
+
+def gpu(node: str, i: int, mps: bool, shares: int = 0, free: int = 24 * G) -> GpuSlot:
+    return GpuSlot(f"GPU-{node}-{i}", node, i, 24 * G, reserved=24 * G - free, mps=mps, compute_shares=shares)
+
+
+def test_a_share_goes_only_to_an_mps_gpu_with_room_though_others_have_more_memory() -> None:
+    plain, full, roomy = gpu("a", 0, False), gpu("b", 0, True, 80, free=20 * G), gpu("c", 0, True, 20, free=2 * G)
+    index = index_of(plain, full, roomy)
+    assert place(index, Request(G)) == [plain]  # without a share: by memory alone, MPS or not
+    assert place(index, Request(G, constraints=with_share(NO_CONSTRAINTS, 80))) == [roomy]
+    assert place(index, Request(G, constraints=with_share(NO_CONSTRAINTS, 20))) == [full]  # 80 + 20 is 100
+    with pytest.raises(NoFit):
+        place(index, Request(G, constraints=with_share(NO_CONSTRAINTS, 81)))
+    with pytest.raises(NoFit):  # the roomy GPU lacks the bytes, the other the share
+        place(index, Request(3 * G, constraints=with_share(NO_CONSTRAINTS, 30)))
+
+
+def test_a_multi_gpu_share_needs_room_on_each_of_its_gpus_and_keeps_other_constraints() -> None:
+    index = index_of(gpu("a", 0, True, 50), gpu("a", 1, True, 70), gpu("b", 0, True, 0), gpu("b", 1, True, 40),
+                     gpu("c", 0, False), gpu("c", 1, False))
+    chosen = place(index, Request(G, 2, constraints=with_share(NO_CONSTRAINTS, 40)))
+    assert {s.node for s in chosen} == {"b"}
+    assert place(index, Request(G, 2, constraints=with_share(NO_CONSTRAINTS, 30)))[0].node in ("a", "b")
+    with pytest.raises(NoFit):
+        place(index, Request(G, 2, constraints=with_share(parse_all(["node.name==a"]), 40)))
+    assert place(index, Request(G, 2, node="b", constraints=with_share(NO_CONSTRAINTS, 60)))[0].node == "b"
+
+
+def test_gpu_mps_constraint_and_the_share_rooms_own_reading() -> None:
+    on, off = gpu("a", 0, True, 100), gpu("b", 0, False)
+    assert parse("gpu.mps==true").allows(on) and not parse("gpu.mps==TRUE").allows(off)
+    assert parse("gpu.mps!=true").allows(off) and parse("gpu.mps==false").allows(off)
+    for bad in ("gpu.mps>=true", "gpu.mps==yes"):
+        with pytest.raises(ValueError, match=r"gpu\.mps"):
+            parse(bad)
+    room = ShareRoom("compute_share 1", "gpu.mps", "<=", number=(1,))
+    assert not room.allows(on) and not room.allows(off) and room.allows(gpu("c", 0, True, 99))
+    assert ever_fits(NO_CONSTRAINTS, 0) is NO_CONSTRAINTS and ever_fits(NO_CONSTRAINTS, 5).items == (MPS_ONLY,)
+
+
+def cluster(mps: dict[str, bool]) -> Cluster:
+    model = Cluster()
+    for name, on in mps.items():
+        model.register(name, name.encode(), "docker", [GpuInfo(uuid=f"GPU-{name}", index=0, name="sim",
+                                                               memory_total=24 * G)], [], mps=on)
+    return model
+
+
+def spec(share: int = 0, **extra: object) -> PlacementSpec:
+    return PlacementSpec(memory=G, count=1, placement="spread", image="img", command=[], compute_share=share,
+                         **extra)  # type: ignore[arg-type]
+
+
+def test_the_model_counts_shares_per_gpu_releases_them_and_its_check_sees_a_wrong_sum() -> None:
+    model = cluster({"m": True, "p": False})
+    with pytest.raises(NoFit) as never:
+        cluster({"p": False}).submit(spec(10), queue=True)
+    assert never.value.code == "never_fits" and "mps: true" in never.value.message
+    first = model.reserve(spec(60))
+    assert first.node == "m" and model.ledger.gpus["GPU-m"].compute_shares == 60
+    with pytest.raises(NoFit) as no_room:
+        model.reserve(spec(60))
+    assert no_room.value.code == "no_fit" and "compute_share of 60%" in no_room.value.message
+    assert model.reserve(spec(0, node="m")).node == "m"  # unshared: it takes what is left, counting nothing
+    waiting, _ = model.submit(spec(60), queue=True)
+    assert waiting.state == "queued"
+    with pytest.raises(NoFit, match="wait for room first"):  # nothing jumps the line, unshared or not
+        model.reserve(spec(0, node="m"))
+    assert model.check() == []
+    model.finish(first.id, "exited", reason="exited", exit_code=0)
+    model.dispatch()
+    assert waiting.state == "creating" and model.ledger.gpus["GPU-m"].compute_shares == 60
+    model.ledger.gpus["GPU-m"].compute_shares = 70
+    assert any("compute shares 70" in p for p in model.check())
+
+
+def test_preemption_frees_share_room_for_a_queued_share_of_higher_priority() -> None:
+    model = cluster({"m": True})
+    low = model.reserve(spec(70, preemptible=True, priority=0))
+    model.started(low.id, _report(low))
+    high, _ = model.submit(spec(50, priority=5), queue=True)
+    model.dispatch()
+    assert high.state == "queued" and low.desired == "preempted"
+
+
+def _report(record):  # what the agent says once the container runs
+    from gpumgr.wire.protocol import ContainerReport
+
+    return ContainerReport(grant=record.id, container_id=f"c-{record.id}", state="running", gpus=record.gpus,
+                           gpu_memory=record.gpu_memory)
