@@ -114,3 +114,23 @@ def _report(record):  # what the agent says once the container runs
 
     return ContainerReport(grant=record.id, container_id=f"c-{record.id}", state="running", gpus=record.gpus,
                            gpu_memory=record.gpu_memory)
+
+
+def test_the_cli_the_stack_and_stats_carry_the_share() -> None:
+    from gpumgr.plugin import run_flags, services, stack, stats
+    from gpumgr.plugin.cli_base import PluginError
+
+    args = run_flags.parser(PluginError).parse_args(["--gpu-memory", "1GiB", "--compute-share", "25", "img"])
+    assert run_flags.build_request(args, PluginError)["compute_share"] == 25
+    assert "compute_share" not in run_flags.build_request(
+        run_flags.parser(PluginError).parse_args(["--gpu-memory", "1GiB", "img"]), PluginError)
+    assert stack.grant_request("t", {"compute_share": 50}, {"gpu_memory": "1GiB"}) == [
+        "--compute-share", "50", "--gpu-memory", "1GiB"]
+    assert services.SERVICE_OPTIONS["--compute-share"] and services._share("100") == 100
+    for bad in ("0", "101", "x", "2.5"):
+        with pytest.raises(PluginError, match="compute-share"):
+            services._share(bad)
+    row = {"id": "a", "container_id": None, "name": "n", "node": "m", "gpus": [], "gpu_memory": G, "gpu_count": 1,
+           "gpu_memory_used": 0, "gpu_memory_peak": 0, "state": "running", "compute_share": 25}
+    assert stats.stats_row(row)["compute_share"] == 25
+    assert stats.share_text(25) == "25%" and stats.share_text(0) == "-"

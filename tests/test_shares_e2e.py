@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from gpumgr.plugin import docker_gpu
 from tests.invariant import settles
 from tests.procs import AgentProc, ManagerProc, wait_for
 
@@ -45,7 +46,7 @@ def gpu_of(manager: ManagerProc, node: str) -> dict:
 
 
 def test_shares_fill_an_mps_gpu_to_100_and_the_next_waits(tmp_path, manager, docker_client, test_image,
-                                                           cleanup_containers):
+                                                           cleanup_containers, capsys):
     plain = AgentProc(tmp_path, manager, PLAIN, gpus="sim:1x24GiB")
     agents = [plain]
     try:
@@ -117,6 +118,19 @@ def test_shares_fill_an_mps_gpu_to_100_and_the_next_waits(tmp_path, manager, doc
             assert gpu_of(again, MPS)["compute_shares"] == 100
             over = again.post("/v1/containers", json=job(test_image, compute_share=1))
             assert over.status_code == 409, over.text
+
+            # docker gpu run --compute-share, and the SHARE column of docker gpu stats
+            assert again.delete(f"/v1/containers/{third['id']}").status_code in (200, 202)
+            status = docker_gpu.main(["gpu", "--manager", again.url, "run", "-d", "--compute-share", "25",
+                                      "--gpu-memory", "1GiB", "--stop-signal", "SIGKILL", test_image, "sleep", "300"])
+            assert status == 0, capsys.readouterr().err
+            ran = again.get("/v1/containers", params={"state": "running"}).json()["containers"]
+            by_share = {r["compute_share"]: r for r in ran if r["node"] == MPS}
+            assert env_of(docker_client, by_share[25]["container_id"])[SHARE_ENV] == "25"
+            capsys.readouterr()
+            assert docker_gpu.main(["gpu", "--manager", again.url, "stats", "--no-stream"]) == 0
+            shown = capsys.readouterr().out
+            assert " 25% " in shown and " 60% " in shown, shown
             settles(again, docker_client, {MPS, PLAIN})
         finally:
             again.stop()
