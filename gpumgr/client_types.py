@@ -121,6 +121,8 @@ class Container:
     #: the gang it is a member of, and its rank there (None: a container on its own)
     gang: str | None
     rank: int | None
+    #: its percent of each GPU's SMs under MPS (0: none)
+    compute_share: int
     raw: dict[str, Any] = field(repr=False, compare=False)
     _collection: ContainerCollection | None = field(default=None, repr=False, compare=False)
 
@@ -142,7 +144,7 @@ class Container:
             constraints=list(data.get("constraints") or []), topology=data.get("topology"),  # issue 23
             account=data.get("account"), over_quota=bool(data.get("over_quota")),
             reclaimed_for_account=data.get("reclaimed_for_account"), gang=data.get("gang"), rank=data.get("rank"),
-            raw=data, _collection=collection)
+            compute_share=int(data.get("compute_share") or 0), raw=data, _collection=collection)
 
     def _through(self) -> ContainerCollection:
         if self._collection is None:
