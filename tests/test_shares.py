@@ -134,3 +134,26 @@ def test_the_cli_the_stack_and_stats_carry_the_share() -> None:
            "gpu_memory_used": 0, "gpu_memory_peak": 0, "state": "running", "compute_share": 25}
     assert stats.stats_row(row)["compute_share"] == 25
     assert stats.share_text(25) == "25%" and stats.share_text(0) == "-"
+
+
+def test_what_a_container_of_an_mps_node_gets() -> None:
+    from docker.types import Mount
+
+    from gpumgr.agent.runtimes import mps
+    from gpumgr.agent.runtimes.runtime import Managed, grant_env, managed_from_labels, task_env
+    from gpumgr.wire.protocol import ContainerSpec
+
+    spec = ContainerSpec(grant="g", name="n", gpus=["u0", "u1"], gpu_memory=2 * G, compute_share=25)
+    assert grant_env(spec, mps=True)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    assert grant_env(spec, mps=True)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=2048M,1=2048M"
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in grant_env(spec, mps=False)  # no MPS: it means nothing
+    hooked = Managed(grant="g", container_id="c", name="n", gpus=["u0"], gpu_memory=G, compute_share=40)
+    assert task_env(hooked, "node", mps=True)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
+    labels = {"gpumgr.grant": "g", "gpumgr.gpu": "u0", "gpumgr.memory": str(G)}
+    assert managed_from_labels("c", {**labels, "gpumgr.compute_share": "30"}, "img", "running").compute_share == 30
+    assert managed_from_labels("c", {**labels, "gpumgr.compute_share": "300"}, "img", "running").compute_share == 0
+    asked = {"mounts": [Mount(target="/tmp/nvidia-mps", source="/home/x")], "shm_size": 1 << 30, "ipc_mode": None}
+    given = mps.docker_options(asked, "/tmp/nvidia-mps")
+    assert given["ipc_mode"] == "host" and "shm_size" not in given
+    assert [(m["Source"], m["Target"], m["ReadOnly"]) for m in given["mounts"]] == [
+        ("/tmp/nvidia-mps", "/tmp/nvidia-mps", False)]
