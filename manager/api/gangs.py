@@ -30,6 +30,7 @@ class CreateGang(CreateContainer):
     one_per_node: StrictBool = Field(True, description="every member on its own node")
     restart: Literal["never", "gang"] = Field("never", description="gang: a failed gang is placed again whole")
     max_restarts: StrictInt = Field(0, ge=0, le=100, description="with restart gang: how many times at most")
+    compute_share: StrictInt | None = Field(None, description="not offered for gangs: any value is a 400")
 
 
 @bp.post("/gangs")
