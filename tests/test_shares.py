@@ -157,3 +157,30 @@ def test_what_a_container_of_an_mps_node_gets() -> None:
     assert given["ipc_mode"] == "host" and "shm_size" not in given
     assert [(m["Source"], m["Target"], m["ReadOnly"]) for m in given["mounts"]] == [
         ("/tmp/nvidia-mps", "/tmp/nvidia-mps", False)]
+
+
+def test_the_guard_lets_an_agents_mps_create_through(tmp_path) -> None:
+    """The agent's own additions on an MPS node (the pipe directory bound, host IPC) pass its ticketed create."""
+    import base64
+    import json
+
+    from gpumgr.agent.guard.guard import TICKET_LABEL, Guard, GuardState
+    from gpumgr.wire.engine import gpudev
+
+    guard = Guard(gpudev.Policy(default=gpudev.DefaultRuntime(frozenset({"runc"}), None)),
+                  GuardState(tmp_path / "guard.json"))
+    guard.state.add_ticket("t" * 32)
+    body = {"Image": "x", "Labels": {TICKET_LABEL: "t" * 32},
+            "Env": ["NVIDIA_VISIBLE_DEVICES=GPU-1", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25",
+                    "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"],
+            "HostConfig": {"IpcMode": "host", "Mounts": [{"Type": "bind", "Source": "/tmp/nvidia-mps",
+                                                          "Target": "/tmp/nvidia-mps"}]}}
+    request = {"RequestMethod": "POST", "RequestUri": "/v1.41/containers/create?name=job", "RequestHeaders": {},
+               "RequestBody": base64.b64encode(json.dumps(body).encode()).decode()}
+    decision = guard.request(request)
+    assert decision.allow, decision.message
+    guard.state.add_ticket("u" * 32)  # the same create binding a guarded path is judged, ticket or not
+    body["Labels"] = {TICKET_LABEL: "u" * 32}
+    body["HostConfig"]["Mounts"][0]["Source"] = "/etc/docker"  # type: ignore[index]
+    request["RequestBody"] = base64.b64encode(json.dumps(body).encode()).decode()
+    assert not guard.request(request).allow
