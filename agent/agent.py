@@ -327,7 +327,8 @@ class Agent:
                                     containers=[m.report() for m in managed], refused=refused,
                                     instance=self.instance, version=__version__, labels=self.labels,
                                     epoch=None if self.fence.highest is None else self.fence.highest.to_wire(),
-                                    fence_unwritable=self.fence.unwritable(), advertise_addr=self.advertise_addr)
+                                    fence_unwritable=self.fence.unwritable(), advertise_addr=self.advertise_addr,
+                                    mps=self.runtime.mps)
         try:
             protocol.encode(message)
         except ProtocolError:  # long commands or labels: the grants matter, those do not
@@ -462,7 +463,8 @@ def _dealer_options(sock: zmq.Socket[bytes]) -> None:
 def build_runtime(kind: str, on_change: ChangeCallback, *, network_mode: str | None, device_requests: str,
                   gpu_kind: str, log_dir: str, mps: bool = False, node: str = "",
                   state_dir: str | Path | None = None, guard_control: str | None = None,
-                  hook_limits: Any = None, policy: Policy | None = None) -> Runtime:
+                  hook_limits: Any = None, policy: Policy | None = None,
+                  mps_pipe_directory: str = "/tmp/nvidia-mps") -> Runtime:
     """The runtime ``kind``, chosen once at start and kept for the agent's life.
 
     ``auto`` means Docker wherever an engine is installed: when its socket exists but does not answer
@@ -476,7 +478,7 @@ def build_runtime(kind: str, on_change: ChangeCallback, *, network_mode: str | N
         kind = "docker" if docker_installed() else "process"
         log.info("runtime auto: %s (a Docker engine is %s)", kind, "installed" if kind == "docker" else "absent")
     if kind == "process":
-        return ProcessRuntime(on_change, log_dir=log_dir, mps=mps)
+        return ProcessRuntime(on_change, log_dir=log_dir, mps=mps, mps_pipe_directory=mps_pipe_directory)
     deadline = time.monotonic() + defaults.ENGINE_WAIT
     while not docker_answers():
         if time.monotonic() > deadline:
@@ -486,7 +488,7 @@ def build_runtime(kind: str, on_change: ChangeCallback, *, network_mode: str | N
     use_requests = device_requests == "always" or (device_requests == "auto" and gpu_kind == "nvml" and _has_nvidia())
     return DockerRuntime(on_change, node=node, network_mode=network_mode, device_requests=use_requests, mps=mps,
                          state_dir=state_dir, guard_control=guard_control, hook_limits=hook_limits,
-                         policy=policy)
+                         policy=policy, mps_pipe_directory=mps_pipe_directory)
 
 
 def _has_nvidia() -> bool:

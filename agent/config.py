@@ -51,6 +51,8 @@ class AgentSettings(Settings):
     overrun_confirm_interval: float = Field(defaults.OVERRUN_CONFIRM_INTERVAL, ge=0)
     stop_grace: float = Field(defaults.STOP_GRACE, ge=0)
     mps: bool = False
+    #: where the host's MPS control daemon listens: bound into every container of an ``mps`` node
+    mps_pipe_directory: str = Field("/tmp/nvidia-mps", pattern=r"^/[^\x00]*$", max_length=4096)
     hook_socket: str | None = "/run/gpumgr/agent.sock"
     proc_root: str = "/proc"
     # the guard (gpumgr guard, the engine's authorization plugin) and what plain `docker run`s may ask the hook for

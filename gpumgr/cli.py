@@ -396,7 +396,7 @@ def build_agent(settings: AgentSettings) -> Any:
                             state_dir=identity.folder, guard_control=settings.guard_control,
                             hook_limits=HookLimits(settings.hook_tenant, settings.hook_max_priority,
                                                    settings.hook_max_memory),
-                            policy=settings.policy)
+                            policy=settings.policy, mps_pipe_directory=settings.mps_pipe_directory)
     hook = settings.hook_socket if runtime.kind == "docker" else None
     agent = Agent(settings.node, settings.manager, source, runtime, identity,
                   heartbeat_interval=settings.heartbeat_interval, enforcement=settings.enforcement(),

@@ -145,8 +145,9 @@ class ContainerCollection:
 
         ``options`` are the API's other fields, as docker-py names them: ``name``, ``env``, ``labels``,
         ``node``, ``placement``, ``on_overrun``, ``tenant``, ``priority``, ``preemptible``, ``queue``,
-        ``queue_timeout``, and how it runs (``mounts``, ``ports``, ``network``, ...). With ``queue=True``
-        a request that does not fit now comes back with state ``queued`` and starts as soon as room frees.
+        ``queue_timeout``, ``compute_share``, and how it runs (``mounts``, ``ports``, ``network``, ...). With
+        ``queue=True`` a request that does not fit now comes back with state ``queued`` and starts as soon as room
+        frees.
 
         It runs at most once: it is sent with an ``Idempotency-Key`` (``idempotency_key``, or a new one) and
         resent with it while its outcome is unknown (:mod:`gpumgr.client_keyed`); if it stays unknown,

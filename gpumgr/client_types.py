@@ -121,6 +121,8 @@ class Container:
     #: the gang it is a member of, and its rank there (None: a container on its own)
     gang: str | None
     rank: int | None
+    #: its percent of each GPU's SMs under MPS (0: none)
+    compute_share: int
     raw: dict[str, Any] = field(repr=False, compare=False)
     _collection: ContainerCollection | None = field(default=None, repr=False, compare=False)
 
@@ -142,7 +144,7 @@ class Container:
             constraints=list(data.get("constraints") or []), topology=data.get("topology"),  # issue 23
             account=data.get("account"), over_quota=bool(data.get("over_quota")),
             reclaimed_for_account=data.get("reclaimed_for_account"), gang=data.get("gang"), rank=data.get("rank"),
-            raw=data, _collection=collection)
+            compute_share=int(data.get("compute_share") or 0), raw=data, _collection=collection)
 
     def _through(self) -> ContainerCollection:
         if self._collection is None:
@@ -194,6 +196,9 @@ class Gpu:
     healthy: bool  # issue 23: false: it takes no new grants, and health says why
     health: str | None  # issue 23
     topology: dict[str, int] | None  # issue 23: its NVLink island, PCIe switch and socket
+    #: its node runs MPS, and the percent of its SMs its grants' compute shares take (issue 36)
+    mps: bool
+    compute_shares: int
     raw: dict[str, Any] = field(repr=False, compare=False)
 
     @classmethod
@@ -204,7 +209,8 @@ class Gpu:
                    memory_free=data["memory_free"], containers=list(data.get("containers") or []),
                    memory_reserved_for_gang=data.get("memory_reserved_for_gang", 0),
                    compute_capability=data.get("compute_capability"), healthy=data.get("healthy", True),
-                   health=data.get("health"), topology=data.get("topology"), raw=data)  # issue 23
+                   health=data.get("health"), topology=data.get("topology"),  # issue 23
+                   mps=bool(data.get("mps")), compute_shares=int(data.get("compute_shares") or 0), raw=data)
 
 
 @dataclass(frozen=True)
@@ -219,13 +225,15 @@ class Node:
     labels: dict[str, str]  # issue 23
     #: why nothing is placed on it though it is ready (its agent cannot write its fence), else None
     unusable: str | None = None
+    #: its agent runs with mps: true: compute shares may be placed on its GPUs (issue 36)
+    mps: bool = False
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Node:
         return cls(name=data["name"], state=data["state"], last_seen=data["last_seen"], runtime=data["runtime"],
                    gpus=[Gpu.from_json(g) for g in data["gpus"]], labels=dict(data.get("labels") or {}),
-                   unusable=data.get("unusable"), raw=data)  # issue 23
+                   unusable=data.get("unusable"), mps=bool(data.get("mps")), raw=data)  # issue 23
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 #: The oldest agent whose commands this manager's match (a rolling upgrade moves agents first, then managers).
-MIN_AGENT_VERSION = "0.2.0"
+MIN_AGENT_VERSION = "0.3.0"  # 0.3.0: Register says whether the node runs MPS (compute shares)
 #: What a manager that does not lead answers an agent: another leads, or none does (the agent's side:
 #: ``gpumgr.agent.managers``).
 NOT_LEADER = "not_leader"
@@ -164,7 +164,7 @@ class Inbound:
                 orphans, commands, restarted = self.cluster.register(
                     message.node, peer.routing_id, message.runtime, message.gpus, message.containers, key=peer.key,
                     instance=message.instance, labels=message.labels,  # issue 23
-                    advertise_addr=message.advertise_addr)
+                    advertise_addr=message.advertise_addr, mps=message.mps)
                 self._note_fence(message.node, message.fence_unwritable)
         except GpumgrError as exc:
             log.warning("refused the registration of node %s: %s", message.node, exc.message)
@@ -274,6 +274,7 @@ class Inbound:
                 node=request.node, on_overrun=request.on_overrun or settings.on_overrun,
                 container_id=request.container_id, hook=True, priority=request.priority,
                 preemptible=request.preemptible, constraints=list(request.constraints),  # issue 23
+                compute_share=request.compute_share,
             )
             try:
                 record, _ = self.cluster.submit(spec, queue=request.queue, queue_timeout=defaults.HOOK_QUEUE_TIMEOUT
@@ -336,7 +337,8 @@ class Inbound:
         restarted manager re-adopts it as that tenant's."""
         return protocol.Reply(ok=True, result={"grant": record.id, "gpus": record.gpus, "gpu_memory": record.gpu_memory,
                                                "on_overrun": record.on_overrun, "priority": record.priority,
-                                               "preemptible": record.preemptible, "tenant": record.tenant or ""})
+                                               "preemptible": record.preemptible, "tenant": record.tenant or "",
+                                               "compute_share": record.compute_share})
 
     def _remove_orphans(self, peer: Peer, grants: list[str]) -> None:
         for grant in grants:

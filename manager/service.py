@@ -450,7 +450,8 @@ def _message(command: Command, settings: ManagerSettings, tenants: TenantBook, o
             grant=record.id, name=record.name, image=record.image, command=record.command, env=record.env,
             labels=record.labels, gpus=record.gpus, gpu_memory=record.gpu_memory, on_overrun=record.on_overrun,
             created_at=record.created_at, tenant=record.tenant or "", priority=record.priority,
-            preemptible=record.preemptible, **run_fields(record.spec.run, record.tenant, settings.policy, tenants),
+            preemptible=record.preemptible, compute_share=record.compute_share,
+            **run_fields(record.spec.run, record.tenant, settings.policy, tenants),
         ), op=op)
     if command.kind is OpKind.RESIZE:
         return protocol.Resize(grant=record.id, gpu_memory=command.op.new, op=op)

@@ -17,7 +17,7 @@ from gpumgr.plugin.cli_base import _format, _print_table
 from gpumgr.plugin.services import service
 from gpumgr.wire.units import format_bytes
 
-METADATA = {"SchemaVersion": "0.1.0", "Vendor": "gpumgr", "Version": "0.2.0",
+METADATA = {"SchemaVersion": "0.1.0", "Vendor": "gpumgr", "Version": "0.3.0",
             "ShortDescription": "GPU memory grants for containers and Swarm services"}
 
 
@@ -90,18 +90,18 @@ USAGE = """Usage: docker gpu [--manager URL] COMMAND
 
 Commands:
   service create --gpu-memory SIZE [--gpus N] [--on-overrun kill|stop|report] [--constraint C ...]
-                 [--priority N] [--preemptible] [--queue]
+                 [--priority N] [--preemptible] [--queue] [--compute-share PCT]
                  [docker service create options] IMAGE [CMD]
   service ps SERVICE      each replica: node, GPU, grant, usage, or why it waits
   service rm SERVICE...   (any other 'service' command is passed to 'docker service' unchanged)
   stack deploy -c FILE [-c FILE...] [docker stack deploy options] STACK
                           each service's x-gpumgr block (gpu_memory, gpus, priority, preemptible, queue,
-                          constraints, on_overrun; a top-level x-gpumgr gives defaults) becomes every
+                          compute_share, constraints, on_overrun; a top-level x-gpumgr gives defaults) becomes every
                           replica's grant, as 'service create' gives it; the rest goes to 'docker stack deploy'
   stack ps STACK          each replica: node, GPU, grant, usage, or why it waits
   stack rm|ls ...         passed to 'docker stack' unchanged
   run --gpu-memory SIZE [--gpus N] [--node NODE] [--constraint C ...] [--placement P] [--on-overrun A]
-      [--priority N] [--preemptible] [--queue [--queue-timeout S]]
+      [--priority N] [--preemptible] [--queue [--queue-timeout S]] [--compute-share PCT]
       [docker run options: -d --rm --name -e --env-file -l -v --mount --tmpfs -p --network --shm-size
        --ipc --pid -w -u --entrypoint --cpus -m --ulimit --cap-add --device --privileged --stop-signal
        --log-driver --log-opt] IMAGE [CMD]

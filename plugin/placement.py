@@ -96,4 +96,4 @@ def _target(node: dict[str, Any], gpu: dict[str, Any]) -> Any:
     """A GPU of ``GET /v1/nodes`` as constraints read it."""
     return SimpleNamespace(node=node["name"], labels=node.get("labels") or {}, uuid=gpu["uuid"], index=gpu["index"],
                            total=gpu["memory_total"], name=gpu.get("name") or "",
-                           compute_capability=gpu.get("compute_capability") or "")
+                           compute_capability=gpu.get("compute_capability") or "", mps=bool(gpu.get("mps")))

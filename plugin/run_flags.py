@@ -69,6 +69,7 @@ def parser(error: type[Exception]) -> argparse.ArgumentParser:
     add("-m", "--memory")
     add("--priority", type=int, help="higher is placed first (default and ceiling: your tenant's)")
     add("--preemptible", action="store_true", help="may be stopped for a queued request of higher priority")
+    add("--compute-share", type=int, help="percent of each GPU's SMs (1-100), on nodes that run MPS")
     add("--queue", action="store_true", help="wait for room instead of failing with no_fit")
     add("--queue-timeout", type=float, help="seconds to wait in the queue (with --queue)")
     add("--constraint", action="append", default=[], help="where it may run, e.g. gpu.model==*H100* (repeatable)")
@@ -100,6 +101,7 @@ def build_request(args: argparse.Namespace, error: type[Exception]) -> dict[str,
                             "labels": {**_label_files(args.label_file, error), **_pairs(args.label, error)}}
     simple = {"name": args.name, "node": args.node, "placement": args.placement, "on_overrun": args.on_overrun,
               "queue_timeout": args.queue_timeout, "priority": args.priority, "network": args.network or args.net,
+              "compute_share": args.compute_share,
               "ipc_mode": args.ipc, "pid_mode": args.pid, "working_dir": args.workdir, "user": args.user,
               "stop_signal": args.stop_signal,
               "entrypoint": None if args.entrypoint is None else [args.entrypoint] if args.entrypoint else [],

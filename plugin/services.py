@@ -17,7 +17,8 @@ from gpumgr.plugin.cli_base import (
     _take_options,
 )
 from gpumgr.plugin.placement import NOTHING, Wanted, allowed_sizes, swarm_constraints, take_constraints
-from gpumgr.wire.constraints import NO_CONSTRAINTS, Constraints
+from gpumgr.wire import defaults
+from gpumgr.wire.constraints import GPU_MPS, NO_CONSTRAINTS, Constraints, parse
 from gpumgr.wire.names import LIVE, Env, Label
 from gpumgr.wire.units import format_bytes
 
@@ -27,6 +28,10 @@ TASK_TEMPLATES = {Env.TASK: "{{.Task.ID}}", Env.TASK_NAME: "{{.Task.Name}}",
 
 
 # --- service ---------------------------------------------------------------------------------
+#: A service with a compute share runs only where the nodes run MPS (the manager's implicit filter, checked here too).
+MPS = parse(f"{GPU_MPS}==true")
+
+
 def service(client: Manager, argv: list[str]) -> int:
     """``docker gpu service ...``: create and ps are ours, everything else is plain ``docker service``."""
     if argv[:1] == ["create"]:
@@ -38,7 +43,7 @@ def service(client: Manager, argv: list[str]) -> int:
 
 #: ``docker gpu service create``'s own options: name → whether it takes a value. The rest go to Docker.
 SERVICE_OPTIONS = {"--gpu-memory": True, "--gpus": True, "--on-overrun": True, "--priority": True,
-                   "--preemptible": False, "--queue": False}
+                   "--preemptible": False, "--queue": False, "--compute-share": True}
 
 
 def service_create(client: Manager, argv: list[str]) -> int:
@@ -66,7 +71,9 @@ def grant_args(client: Manager, ours: dict[str, str], constraints: Wanted = NOTH
     if "--gpu-memory" not in ours:
         raise PluginError("--gpu-memory is required, e.g. --gpu-memory 6GiB")
     memory, count = _memory(ours["--gpu-memory"]), _count(ours.get("--gpus", "1"))
-    _check_fits_somewhere(client, memory, count, constraints.gpu)
+    share = _share(ours.get("--compute-share"))
+    _check_fits_somewhere(client, memory, count, Constraints((*constraints.gpu.items, MPS)) if share
+                          else constraints.gpu)
     extra = [f"--env={k}={v}" for k, v in TASK_TEMPLATES.items()] + swarm_constraints(constraints)
     extra += [f"--env=GPUMGR_REQUEST_MEMORY={memory}", f"--env=GPUMGR_REQUEST_GPUS={count}",
               f"--label=gpumgr.gpu-memory={memory}", f"--label=gpumgr.gpus={count}"]
@@ -82,6 +89,8 @@ def grant_args(client: Manager, ours: dict[str, str], constraints: Wanted = NOTH
         extra.append(f"--env={Env.REQUEST_PRIORITY}={priority}")
     if "--preemptible" in ours:
         extra.append(f"--env={Env.REQUEST_PREEMPTIBLE}=1")
+    if share:
+        extra += [f"--env={Env.REQUEST_COMPUTE_SHARE}={share}", f"--label=gpumgr.compute-share={share}"]
     if "--queue" in ours:
         # a replica with no room waits in its create, shown as pending by 'docker gpu service ps'
         extra.append(f"--env={Env.REQUEST_QUEUE}=1")
@@ -116,6 +125,15 @@ def print_tasks(tasks: list[dict[str, Any]], records: list[dict[str, Any]]) -> N
                      format_bytes(record["gpu_memory"]) if live else "-",
                      format_bytes(record["gpu_memory_used"]) if live else "-", note))
     _print_table(rows)
+
+
+def _share(given: str | None) -> int:
+    """``--compute-share``: a whole percentage of each GPU's SMs, 1-100 (0: none given)."""
+    if given is None:
+        return 0
+    if not (given.isascii() and given.isdigit()) or not 1 <= int(given) <= defaults.MAX_COMPUTE_SHARE:
+        raise PluginError(f"--compute-share must be a whole percentage from 1 to 100, not {given!r}")
+    return int(given)
 
 
 def _check_fits_somewhere(client: Manager, memory: int, count: int, constraints: Constraints = NO_CONSTRAINTS) -> None:

@@ -4,7 +4,7 @@
       train:
         image: trainer:1
         deploy: {replicas: 3}
-        x-gpumgr: {gpu_memory: 20GiB, priority: 5, preemptible: true}
+        x-gpumgr: {gpu_memory: 20GiB, priority: 5, preemptible: true, compute_share: 50}
 
 Every service with an ``x-gpumgr`` block (an empty one takes the top-level ``x-gpumgr`` defaults whole)
 gets what ``docker gpu service create`` gives a service: the request in each task's environment, read by
@@ -50,7 +50,8 @@ from gpumgr.plugin.services import (
 EXTENSION = "x-gpumgr"
 #: ``x-gpumgr`` keys and the ``docker gpu service create`` option each becomes (a flag for booleans).
 KEYS = {"gpu_memory": "--gpu-memory", "gpus": "--gpus", "priority": "--priority", "preemptible": "--preemptible",
-        "queue": "--queue", "on_overrun": "--on-overrun", "constraints": "--constraint"}
+        "queue": "--queue", "on_overrun": "--on-overrun", "constraints": "--constraint",
+        "compute_share": "--compute-share"}
 #: The compose file format from which ``x-`` keys are allowed there.
 TOP_LEVEL_FROM, SERVICE_FROM = (3, 4), (3, 7)
 #: Sections whose entries may carry ``x-`` keys (from 3.7), stripped before Docker reads the file.

@@ -37,7 +37,7 @@ WARN_PERCENT = 90.0
 PIPE_WIDTH = 1000
 #: The keys of each object in ``--format json``, in order; scripts may rely on them.
 JSON_KEYS = ("id", "container_id", "name", "node", "gpus", "grant_bytes", "gpu_count", "used_bytes", "peak_bytes",
-             "percent", "state")
+             "percent", "state", "compute_share")
 #: The bar's segments in order: (key in the GPU entry, cell character, style, legend). Each segment has its own
 #: character so that the bar still reads without colour.
 #: How ``-a``'s STATE column shows each state (the live ones plain); ended ones are dimmed, a kill is red.
@@ -115,12 +115,18 @@ def stats_row(record: dict[str, Any]) -> dict[str, Any]:
     return {"id": record["id"], "container_id": record.get("container_id"), "name": record["name"],
             "node": record["node"], "gpus": record["gpus"], "grant_bytes": record["gpu_memory"],
             "gpu_count": record["gpu_count"], "used_bytes": used, "peak_bytes": record["gpu_memory_peak"],
-            "percent": round(100 * used / granted, 1) if granted else None, "state": record["state"]}
+            "percent": round(100 * used / granted, 1) if granted else None, "state": record["state"],
+            "compute_share": record.get("compute_share") or 0}
 
 
 def grant_text(per_gpu: int, count: int) -> str:
     """A grant as people say it: ``8GiB`` for one GPU, ``2×8GiB`` for two GPUs of 8 GiB each."""
     return format_bytes(per_gpu) if count == 1 else f"{count}×{format_bytes(per_gpu)}"
+
+
+def share_text(share: int) -> str:
+    """A compute share as the SHARE column shows it: ``25%`` of each GPU's SMs, ``-`` for none."""
+    return f"{share}%" if share else "-"
 
 
 def stats_table(rows: Sequence[dict[str, Any]], with_state: bool = False) -> Table:
@@ -132,7 +138,7 @@ def stats_table(rows: Sequence[dict[str, Any]], with_state: bool = False) -> Tab
     from rich.text import Text
 
     state_column = ("STATE",) if with_state else ()
-    table = _table("CONTAINER ID", "NAME", *state_column, "NODE", "GPU", "GRANT", "USED", "PEAK", "%",
+    table = _table("CONTAINER ID", "NAME", *state_column, "NODE", "GPU", "GRANT", "SHARE", "USED", "PEAK", "%",
                    right_from=4 + len(state_column))
     for row in rows:
         percent = row["percent"]
@@ -140,7 +146,8 @@ def stats_table(rows: Sequence[dict[str, Any]], with_state: bool = False) -> Tab
         state = (Text(row["state"], style=STATE_STYLES.get(row["state"], "")),) if with_state else ()
         table.add_row(str(row["container_id"] or "-")[:12], row["name"], *state, row["node"] or "-",
                       ",".join(str(g["index"]) for g in row["gpus"]) or "-",
-                      grant_text(row["grant_bytes"], row["gpu_count"]), format_bytes(row["used_bytes"]),
+                      grant_text(row["grant_bytes"], row["gpu_count"]), share_text(row["compute_share"]),
+                      format_bytes(row["used_bytes"]),
                       format_bytes(row["peak_bytes"]), Text("-" if percent is None else f"{percent:.1f}%", style=style))
     return table
 

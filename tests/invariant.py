@@ -75,6 +75,10 @@ def violations(manager: Any, docker_client: Any, nodes: set[str]) -> list[str]:
             if gpu["memory_reserved"] != granted:
                 found.append(f"GPU {gpu['uuid']} shows {gpu['memory_reserved']} reserved, its live grants sum to "
                              f"{granted}")
+            shares = sum(r["compute_share"] for r in holders)  # issue 36: at most 100 percent of its SMs
+            if shares > defaults.MAX_COMPUTE_SHARE or gpu["compute_shares"] != shares:
+                found.append(f"GPU {gpu['uuid']} shows compute shares {gpu['compute_shares']}, its live grants' "
+                             f"sum to {shares} (at most {defaults.MAX_COMPUTE_SHARE})")
             if sorted(gpu["containers"]) != sorted(r["id"] for r in holders):
                 found.append(f"GPU {gpu['uuid']} lists holders {gpu['containers']}, live grants on it are "
                              f"{sorted(r['id'] for r in holders)}")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpumgr.manager.clock import Clock
-from gpumgr.wire import protocol, security
+from gpumgr.wire import defaults, protocol, security
 from gpumgr.wire.errors import AgentFailed, AgentTimeout, NoAgents
 from gpumgr.wire.link.link import Peer
 from gpumgr.wire.names import LIVE
@@ -149,13 +149,15 @@ class Box:
     exit_code: int | None = None
     #: when it ended (the manager's monotonic clock); heartbeats repeat an end for 30 s only, as agents do
     ended_at: float | None = None
+    #: its percent of each GPU's SMs, from its labels (issue 36)
+    compute_share: int = 0
 
 
 class ScriptedAgent:
     """One node: its engine, its process instance, and what it says to the manager."""
 
-    def __init__(self, manager: Any, name: str, gpus: int, size: int) -> None:
-        self.manager, self.name = manager, name
+    def __init__(self, manager: Any, name: str, gpus: int, size: int, mps: bool = False) -> None:
+        self.manager, self.name, self.mps = manager, name, mps
         self.key = security.KeyPair.generate().public
         self.routing = itertools.count(1)
         self.routing_id = f"{name}-1".encode()
@@ -210,12 +212,12 @@ class ScriptedAgent:
     def reports(self) -> list[protocol.ContainerReport]:
         return [protocol.ContainerReport(grant=b.grant, container_id=f"c-{b.grant}", gpus=b.gpus,
                                          gpu_memory=b.gpu_memory, state=b.state, exit_code=b.exit_code,
-                                         finished_at=None if b.state in LIVE else 1.7e9)
+                                         finished_at=None if b.state in LIVE else 1.7e9, compute_share=b.compute_share)
                 for b in self.engine.values()]
 
     def register(self) -> None:
         self._say(protocol.Register(node=self.name, runtime="docker", gpus=self.gpus, containers=self.reports(),
-                                    instance=self.instance))
+                                    instance=self.instance, mps=self.mps))
 
     def heartbeat(self) -> None:
         now = self.manager.cluster.clock.monotonic()
@@ -241,7 +243,8 @@ class ScriptedAgent:
         """What the engine does with a request, and the reply it would send."""
         if isinstance(message, protocol.Create):
             spec = message.spec
-            self.engine[spec.grant] = Box(spec.grant, list(spec.gpus), spec.gpu_memory)
+            self.engine[spec.grant] = Box(spec.grant, list(spec.gpus), spec.gpu_memory,
+                                          compute_share=spec.compute_share)
             report = protocol.ContainerReport(grant=spec.grant, container_id=f"c-{spec.grant}", gpus=spec.gpus,
                                               gpu_memory=spec.gpu_memory, state="running")
             return protocol.Reply(ok=True, result=report.model_dump())
@@ -283,4 +286,18 @@ def link_error() -> Exception:
 def engine_violations(manager: Any, agents: list[ScriptedAgent]) -> list[str]:
     """The invariant (``tests/invariant.py``) over the model and these scripted engines."""
     engines = {a.name: {g: (b.state, b.gpu_memory) for g, b in a.engine.items()} for a in agents}
-    return model_violations(manager, engines)
+    return model_violations(manager, engines) + share_violations(manager, agents)
+
+
+def share_violations(manager: Any, agents: list[ScriptedAgent]) -> list[str]:
+    """Issue 36: on a node on the map, the containers alive on each GPU hold compute shares of at most 100."""
+    found = []
+    with manager.cluster.ledger.lock:
+        for agent in agents:
+            if agent.name not in manager.cluster.ledger.nodes:
+                continue
+            for gpu in agent.gpus:
+                shares = sum(b.compute_share for b in agent.engine.values() if b.state in LIVE and gpu.uuid in b.gpus)
+                if shares > defaults.MAX_COMPUTE_SHARE:
+                    found.append(f"GPU {gpu.uuid} of {agent.name} runs containers with compute shares of {shares}%")
+    return found

@@ -346,3 +346,24 @@ def test_dashboard_marks_an_unhealthy_gpu_and_shows_node_labels(manager, test_im
         assert not severe(browser)
     finally:
         agent.stop()
+
+
+def test_dashboard_shows_compute_shares(manager, test_image, browser, tmp_path, cleanup_containers):  # issue 36
+    pipes = tmp_path / "mps"
+    pipes.mkdir()
+    config = tmp_path / "mps.yaml"
+    config.write_text(yaml.safe_dump({"mps": True, "mps_pipe_directory": str(pipes)}))
+    agent = AgentProc(tmp_path, manager, "s36-dash", gpus="sim:1x24GiB", extra=["--config", str(config)])
+    try:
+        answer = manager.post("/v1/containers", json={"image": test_image, "name": "shared", "gpu_memory": "1GiB",
+                                                      "compute_share": 30, "command": ["sh", "-c", POLITE]})
+        assert answer.status_code == 201, answer.text
+        browser.get(manager.url + "/")
+        cell = wait_dom(browser, "const e = document.querySelector('[data-container] [data-compute-share=\"30\"]');"
+                                 "return e && e.textContent;", what="the container's SM share")
+        gpu = wait_dom(browser, "const e = document.querySelector('[data-compute-shares]');"
+                                "return e && e.textContent;", what="the GPU's SM shares")
+        assert cell == "30%" and gpu == "SM shares 30%"
+        assert not severe(browser)
+    finally:
+        agent.stop()

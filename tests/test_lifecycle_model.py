@@ -44,7 +44,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.manager = Manager(config, link=self.link, clock=self.clock)
         counter = iter(range(1, 1 << 30))
         self.manager.cluster.new_id = lambda: f"r{next(counter):06d}"  # replays draw the same ids
-        self.agents = [ScriptedAgent(self.manager, f"n{i}", gpus, size * GiB) for i in range(nodes)]
+        self.agents = [ScriptedAgent(self.manager, f"n{i}", gpus, size * GiB, mps=i == 0) for i in range(nodes)]
         for agent in self.agents:
             agent.register()
         self.ids: list[str] = []
@@ -74,6 +74,20 @@ class LifecycleMachine(RuleBasedStateMachine):
             record, commands = self.manager.cluster.submit(spec, queue=queue)
         except GpumgrError:
             return
+        self.ids.append(record.id)
+        self.manager.send(commands)
+
+    @rule(memory=st.integers(1, 8), count=st.sampled_from([1, 1, 2]), queue=st.booleans(), share=st.integers(1, 100),
+          priority=st.integers(0, 3), preemptible=st.booleans())
+    def post_share(self, memory: int, count: int, queue: bool, share: int, priority: int, preemptible: bool) -> None:
+        """Issue 36: a compute share goes only to node n0 (MPS), at most 100 per GPU."""
+        spec = PlacementSpec(memory=memory * GiB // 2, count=count, placement="spread", image="img", command=[],
+                             priority=priority, preemptible=preemptible, compute_share=share)
+        try:
+            record, commands = self.manager.cluster.submit(spec, queue=queue)
+        except GpumgrError:
+            return
+        assert record.node in ("", "n0"), f"a compute share placed on {record.node}, which runs no MPS"
         self.ids.append(record.id)
         self.manager.send(commands)
 

@@ -82,12 +82,13 @@ def test_stats_table_and_json_show_grant_usage_and_peak(two, capsys):
     status, out, err = plugin(manager.url, "stats", "--no-stream", capsys=capsys)
     assert status == 0 and err == "", err
     assert "\x1b[" not in out  # captured, not a terminal: plain text
-    assert columns(out.splitlines()[0]) == ["CONTAINER ID", "NAME", "NODE", "GPU", "GRANT", "USED", "PEAK", "%"]
+    assert columns(out.splitlines()[0]) == ["CONTAINER ID", "NAME", "NODE", "GPU", "GRANT", "SHARE", "USED", "PEAK",
+                                            "%"]
     rows = rows_of(out)
     assert set(rows) == {"stats-one", "stats-two"}, out
     assert rows["stats-one"] == [one["container_id"][:12], "stats-one", "node-a", str(one["gpus"][0]["index"]),
-                                 "2GiB", "1GiB", "1GiB", "50.0%"]
-    assert rows["stats-two"][4:] == ["2GiB", "512MiB", "512MiB", "25.0%"]
+                                 "2GiB", "-", "1GiB", "1GiB", "50.0%"]
+    assert rows["stats-two"][4:] == ["2GiB", "-", "512MiB", "512MiB", "25.0%"]
 
     result = subprocess.run(command(manager.url, "stats", "--format", "json", "--no-stream"), capture_output=True,
                             text=True, timeout=30, env=ENV)
@@ -97,7 +98,7 @@ def test_stats_table_and_json_show_grant_usage_and_peak(two, capsys):
     assert objects["stats-one"] == {
         "id": one["id"], "container_id": one["container_id"], "name": "stats-one", "node": "node-a",
         "gpus": one["gpus"], "grant_bytes": 2 * GiB, "gpu_count": 1, "used_bytes": GiB, "peak_bytes": GiB,
-        "percent": 50.0, "state": "running"}
+        "percent": 50.0, "state": "running", "compute_share": 0}
     assert objects["stats-two"]["percent"] == 25.0
 
     # a name, an id or an engine id (or a prefix of one) picks containers, like docker stats NAME
@@ -128,12 +129,13 @@ def test_stats_all_shows_ended_and_queued_containers(two, test_image, capsys):
 
     status, out, _ = plugin(manager.url, "stats", "--no-stream", "--all", capsys=capsys)
     assert status == 0
-    assert columns(out.splitlines()[0]) == ["CONTAINER ID", "NAME", "STATE", "NODE", "GPU", "GRANT", "USED", "PEAK",
-                                            "%"]  # -a lists ended containers: the STATE tells them from live ones
+    # -a lists ended containers: the STATE tells them from live ones
+    assert columns(out.splitlines()[0]) == ["CONTAINER ID", "NAME", "STATE", "NODE", "GPU", "GRANT", "SHARE", "USED",
+                                            "PEAK", "%"]
     rows = rows_of(out)
     assert set(rows) == {"stats-one", "stats-two", "stats-wait"}, out
     assert rows["stats-one"][2] == "running" and rows["stats-two"][2] == "removed"
-    assert rows["stats-two"][7] == "512MiB"  # the peak stays after the end
+    assert rows["stats-two"][8] == "512MiB"  # the peak stays after the end
     assert rows["stats-wait"][:6] == ["-", "stats-wait", "queued", "-", "-", "2×23GiB"]
     manager.delete(f"/v1/containers/{waiting['id']}")
 

@@ -6,7 +6,8 @@ A constraint is ``ATTRIBUTE OP VALUE`` with ``OP`` one of ``==`` and ``!=`` (as 
 - ``node.name`` (alias ``node.hostname``) and ``node.labels.KEY``: the agent's node name and the
   labels its operator gave it (``labels:`` in its YAML, ``--label k=v``);
 - ``gpu.model`` (NVML's name, e.g. ``NVIDIA H100 80GB HBM3``), ``gpu.uuid``;
-- ``gpu.index``, ``gpu.memory`` (total; a size such as ``40GiB``), ``gpu.compute_capability`` (``8.0``).
+- ``gpu.index``, ``gpu.memory`` (total; a size such as ``40GiB``), ``gpu.compute_capability`` (``8.0``);
+- ``gpu.mps`` (``true`` or ``false``, with ``==`` or ``!=``): whether its node runs MPS (the agent's ``mps``).
 
 Text values compare without regard to case, as Swarm compares them, and may be globs (``*H100*``).
 A label the node lacks matches ``!=`` and nothing else (Swarm's rule); so does a compute
@@ -29,6 +30,9 @@ OPERATORS = ("==", "!=", ">=", "<=")
 NODE_NAME, NODE_LABELS = "node.name", "node.labels."
 GPU_MODEL, GPU_UUID, GPU_INDEX, GPU_MEMORY, GPU_CC = ("gpu.model", "gpu.uuid", "gpu.index", "gpu.memory",
                                                      "gpu.compute_capability")
+GPU_MPS = "gpu.mps"
+#: ``gpu.mps``'s values, as the comparable tuples its constraint holds
+FLAGS = {"true": (1,), "false": (0,)}
 ALIASES = {"node.hostname": NODE_NAME}
 TEXT_ATTRS = frozenset({NODE_NAME, GPU_MODEL, GPU_UUID})
 NUMBER_ATTRS = frozenset({GPU_INDEX, GPU_MEMORY, GPU_CC})
@@ -48,6 +52,8 @@ class ConstraintTarget(Protocol):
     total: int
     name: str
     compute_capability: str
+    #: its node runs MPS
+    mps: bool
 
     @property
     def labels(self) -> Mapping[str, str]:
@@ -98,6 +104,8 @@ class Constraint(NamedTuple):
             return (gpu.index,)
         if self.attr == GPU_MEMORY:
             return (gpu.total,)
+        if self.attr == GPU_MPS:
+            return (1,) if gpu.mps else (0,)
         return version(gpu.compute_capability)
 
 
@@ -161,7 +169,11 @@ def parse(text: object) -> Constraint:
         return _text_constraint(text, attr, op, value)
     if attr in NUMBER_ATTRS:
         return Constraint(text, attr, op, number=_number(text, attr, value))
-    known = ", ".join(sorted({NODE_NAME, "node.labels.KEY", *TEXT_ATTRS, *NUMBER_ATTRS}))
+    if attr == GPU_MPS:
+        if op not in ("==", "!=") or value.lower() not in FLAGS:
+            raise ValueError(f"constraint {text!r}: {GPU_MPS} takes == or != and true or false")
+        return Constraint(text, attr, op, number=FLAGS[value.lower()])
+    known = ", ".join(sorted({NODE_NAME, "node.labels.KEY", GPU_MPS, *TEXT_ATTRS, *NUMBER_ATTRS}))
     raise ValueError(f"constraint {text!r}: unknown attribute {attr!r}; known: {known}")
 
 

@@ -153,6 +153,8 @@ QUEUE_AGING = 60.0
 QUEUE_MAX = 100_000
 #: Priorities a request may ask for lie within ± this bound.
 MAX_PRIORITY = 1_000_000
+#: The sum of compute shares (percentages of a GPU's SMs under MPS) one GPU's live grants may hold.
+MAX_COMPUTE_SHARE = 100
 #: Longest ``queue_timeout`` (seconds): about a year.
 MAX_QUEUE_TIMEOUT = 366 * 24 * 3600.0
 #: The dispatcher looks at the queue at least this often even when nothing woke it (deadlines, retries).

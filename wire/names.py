@@ -32,6 +32,7 @@ class Label(StrEnum):
     TENANT = "gpumgr.tenant"
     PRIORITY = "gpumgr.priority"
     PREEMPTIBLE = "gpumgr.preemptible"
+    COMPUTE_SHARE = "gpumgr.compute_share"
 
 
 class Env(StrEnum):
@@ -44,6 +45,10 @@ class Env(StrEnum):
     ON_OVERRUN = "GPUMGR_ON_OVERRUN"
     NVIDIA_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
     CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+    # set in a managed container on an MPS node: the driver's caps for its processes, and where its daemon listens
+    MPS_THREAD_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+    MPS_MEM_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+    MPS_PIPE_DIRECTORY = "CUDA_MPS_PIPE_DIRECTORY"
     # a simulated GPU process declares its use through the file this names
     SIM_USAGE_FILE = "GPUMGR_SIM_USAGE_FILE"
     # set by `docker gpu` on a Swarm task: what the runtime hook asks the agent for
@@ -52,6 +57,7 @@ class Env(StrEnum):
     REQUEST_ON_OVERRUN = "GPUMGR_REQUEST_ON_OVERRUN"
     REQUEST_PRIORITY = "GPUMGR_REQUEST_PRIORITY"
     REQUEST_PREEMPTIBLE = "GPUMGR_REQUEST_PREEMPTIBLE"
+    REQUEST_COMPUTE_SHARE = "GPUMGR_REQUEST_COMPUTE_SHARE"
     REQUEST_QUEUE = "GPUMGR_REQUEST_QUEUE"
     #: a task's ``gpu.*`` constraints, a JSON list (``docker gpu service create --constraint``)
     REQUEST_CONSTRAINTS = "GPUMGR_REQUEST_CONSTRAINTS"
@@ -95,7 +101,9 @@ def flag_set(value: str | None) -> bool:
 #: (a container asking the runtime hook for a second grant, or claiming one, is refused at the API).
 RESERVED_ENV = frozenset({Env.GRANT, Env.GPU_MEMORY, Env.NODE, Env.ON_OVERRUN, Env.REQUEST_MEMORY,
                           Env.REQUEST_GPUS, Env.REQUEST_ON_OVERRUN, Env.REQUEST_PRIORITY, Env.REQUEST_PREEMPTIBLE,
-                          Env.REQUEST_QUEUE, Env.REQUEST_CONSTRAINTS, Env.TASK, Env.TASK_NAME, Env.SERVICE, Env.SLOT})
+                          Env.REQUEST_QUEUE, Env.REQUEST_CONSTRAINTS, Env.TASK, Env.TASK_NAME, Env.SERVICE, Env.SLOT,
+                          Env.REQUEST_COMPUTE_SHARE, Env.MPS_THREAD_PERCENTAGE, Env.MPS_MEM_LIMIT,
+                          Env.MPS_PIPE_DIRECTORY})
 
 #: States that hold a grant.
 LIVE = frozenset({State.CREATING, State.RUNNING})

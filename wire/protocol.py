@@ -104,6 +104,8 @@ class ContainerReport(ContainerStatus):
     tenant: str = ""
     priority: int = 0
     preemptible: bool = False
+    #: its percentage of each GPU's SMs under MPS (0: no share), from its labels
+    compute_share: int = Field(default=0, ge=0, le=defaults.MAX_COMPUTE_SHARE)
 
 
 class RefusedAdoption(_Model):
@@ -132,6 +134,8 @@ class ContainerSpec(_Model):
     tenant: str = ""
     priority: int = 0
     preemptible: bool = False
+    #: its percentage of each GPU's SMs under MPS (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``; 0: no share)
+    compute_share: int = Field(default=0, ge=0, le=defaults.MAX_COMPUTE_SHARE)
     #: mounts, ports, namespaces, limits: how it runs beyond its GPUs (None: as the node's defaults)
     run: RunSpec | None = None
     #: what the tenant may ask for; the node checks ``run`` against it again (None: the operator's request)
@@ -184,6 +188,8 @@ class Register(Message):
     fence_unwritable: str = Field(default="", max_length=512)
     #: where other hosts reach this node (a gang's rendezvous on its rank 0's node); "": not said
     advertise_addr: str = Field(default="", max_length=253, pattern=r"^[0-9A-Za-z.:_\[\]-]*$")
+    #: the node runs the MPS control daemon (its YAML's ``mps``): compute shares may be placed on its GPUs
+    mps: bool = False
 
 
 class Registered(Message):
@@ -326,6 +332,8 @@ class Reserve(Message):
     node: str = ""
     priority: int = Field(default=0, ge=-defaults.MAX_PRIORITY, le=defaults.MAX_PRIORITY)
     preemptible: bool = False
+    #: its percentage of each GPU's SMs under MPS (0: no share)
+    compute_share: int = Field(default=0, ge=0, le=defaults.MAX_COMPUTE_SHARE)
     #: wait in the manager's queue for room (the task's container waits in its create) instead of failing
     queue: bool = False
     #: where the task may run (``wire.constraints``): checked against the node Swarm chose

@@ -18,10 +18,11 @@ from docker.types import CancellableStream, DeviceRequest
 
 from gpumgr.agent import procmap
 from gpumgr.agent.guard.guard_client import ticket_labels
+from gpumgr.agent.runtimes import mps
 from gpumgr.agent.runtimes.docker_events import EngineEvents, caller_code, exit_code_of, finished_at
 from gpumgr.agent.runtimes.docker_run import create_options, read_logs
 from gpumgr.agent.runtimes.hook_limits import HookLimits
-from gpumgr.agent.runtimes.image_record import requested
+from gpumgr.agent.runtimes.image_record import requested, task_constraints
 from gpumgr.agent.runtimes.logfollow import Followers
 from gpumgr.agent.runtimes.runtime import (
     ChangeCallback,
@@ -31,7 +32,6 @@ from gpumgr.agent.runtimes.runtime import (
     managed_from_labels,
 )
 from gpumgr.wire import defaults, security
-from gpumgr.wire.constraints import parse_all
 from gpumgr.wire.errors import InvalidRequest, NotFound, RuntimeFailure
 from gpumgr.wire.names import Env, Label, State, flag_set
 from gpumgr.wire.policy import Policy
@@ -60,8 +60,9 @@ class DockerRuntime(EngineEvents):
     def __init__(self, on_change: ChangeCallback, *, node: str = "", network_mode: str | None = None,
                  device_requests: bool = False, client: docker.DockerClient | None = None, mps: bool = False,
                  state_dir: str | Path | None = None, guard_control: str | None = None,
-                 hook_limits: HookLimits | None = None, policy: Policy | None = None) -> None:
-        super().__init__(on_change, mps=mps)
+                 hook_limits: HookLimits | None = None, policy: Policy | None = None,
+                 mps_pipe_directory: str = mps.DEFAULT_PIPE_DIRECTORY) -> None:
+        super().__init__(on_change, mps=mps, mps_pipe_directory=mps_pipe_directory)
         self.guard_control = guard_control  # issue 22
         self.hook_limits = hook_limits or HookLimits()  # issue 22
         #: the node's own ceiling on what any request may ask for (None: the manager's policy alone)
@@ -101,12 +102,16 @@ class DockerRuntime(EngineEvents):
         requests = [DeviceRequest(driver="nvidia", device_ids=spec.gpus, capabilities=[["gpu"]])] \
             if self.device_requests else None
         options = create_options(spec, self.network_mode, self.policy)  # PolicyDenied before anything exists
+        environment = grant_env(spec, self.mps)
+        if self.mps:  # the node's own additions, after the tenant's asks were checked (see runtimes/mps.py)
+            options = mps.docker_options(options, self.mps_pipe_directory)
+            environment.update(mps.pipe_env(self.mps_pipe_directory))
         api = self.client.api
         try:
             # the SDK's own split of create()'s arguments into the engine's, without its inspect afterwards
             created = api.create_container(**sdk_containers._create_container_args({  # type: ignore[attr-defined]
                 "image": spec.image, "command": spec.command or None, "name": spec.name,
-                "environment": grant_env(spec, self.mps), "labels": labels, "detach": True,
+                "environment": environment, "labels": labels, "detach": True,
                 "device_requests": requests, "version": api.api_version, **options}))
         except docker.errors.ImageNotFound as exc:
             raise RuntimeFailure(f"image {spec.image!r} is not on this node: {exc.explanation}",
@@ -270,6 +275,7 @@ class DockerRuntime(EngineEvents):
                               on_overrun=env.get(Env.REQUEST_ON_OVERRUN) or None,
                               priority=int(env.get(Env.REQUEST_PRIORITY) or 0),
                               preemptible=flag_set(env.get(Env.REQUEST_PREEMPTIBLE)),
+                              compute_share=int(env.get(Env.REQUEST_COMPUTE_SHARE) or 0),
                               queue=flag_set(env.get(Env.REQUEST_QUEUE)),
                               constraints=task_constraints(env.get(Env.REQUEST_CONSTRAINTS)))
         except (KeyError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
@@ -307,7 +313,8 @@ class DockerRuntime(EngineEvents):
                           labels=dict(request.labels),
                           on_overrun=str(grant.get("on_overrun") or "kill"), created_at=time.time(),
                           state=State.CREATING, hook=True, tenant=str(grant.get("tenant") or ""),
-                          priority=int(grant.get("priority") or 0), preemptible=bool(grant.get("preemptible")))
+                          priority=int(grant.get("priority") or 0), preemptible=bool(grant.get("preemptible")),
+                          compute_share=int(grant.get("compute_share") or 0))
         self._track(managed)
         self._write_ledger()
         return managed
@@ -447,7 +454,8 @@ class DockerRuntime(EngineEvents):
         tasks = [{"grant": m.grant, "container_id": m.container_id, "name": m.name, "gpus": m.gpus,
                   "gpu_memory": m.gpu_memory, "image": m.image, "labels": m.labels, "on_overrun": m.on_overrun,
                   "created_at": m.created_at, "tenant": m.tenant, "priority": m.priority,
-                  "preemptible": m.preemptible} for m in self.managed() if m.hook]
+                  "preemptible": m.preemptible, "compute_share": m.compute_share}
+                 for m in self.managed() if m.hook]
         security.write_private(self._ledger, {"tasks": tasks})
 
 
@@ -485,16 +493,3 @@ def docker_answers() -> bool:
     except Exception:  # any failure means no usable engine
         return False
 
-
-def task_constraints(given: str | None) -> list[str]:
-    """A task's constraints from its environment (a JSON list); ValueError naming what cannot be read."""
-    if not given:
-        return []
-    try:
-        texts = json.loads(given)
-    except ValueError:
-        raise ValueError(f"{Env.REQUEST_CONSTRAINTS} must be a JSON list of constraints") from None
-    if not isinstance(texts, list):
-        raise ValueError(f"{Env.REQUEST_CONSTRAINTS} must be a JSON list of constraints")
-    parse_all(texts)
-    return [str(t) for t in texts]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumgr.agent.runtimes.hook_limits import SWARM_TASK_LABEL
+from gpumgr.wire.constraints import parse_all
 from gpumgr.wire.errors import InvalidRequest
 from gpumgr.wire.names import Env
 
@@ -74,3 +75,17 @@ def image_config(record: dict[str, Any], engine_root: str) -> dict[str, Any]:
         raise InvalidRequest(f"cannot read the configuration of image {image[:19]} ({exc}); an agent in a "
                              "container needs the engine's image folder mounted") from None
     return config
+
+
+def task_constraints(given: str | None) -> list[str]:
+    """A task's constraints from its environment (a JSON list); ValueError naming what cannot be read."""
+    if not given:
+        return []
+    try:
+        texts = json.loads(given)
+    except ValueError:
+        raise ValueError(f"{Env.REQUEST_CONSTRAINTS} must be a JSON list of constraints") from None
+    if not isinstance(texts, list):
+        raise ValueError(f"{Env.REQUEST_CONSTRAINTS} must be a JSON list of constraints")
+    parse_all(texts)
+    return [str(t) for t in texts]

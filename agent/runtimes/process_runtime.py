@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumgr.agent import procmap
+from gpumgr.agent.runtimes import mps as mps_caps
 from gpumgr.agent.runtimes.runtime import (
     ChangeCallback,
     Managed,
@@ -41,8 +42,9 @@ class ProcessRuntime(Runtime):
 
     kind = "process"
 
-    def __init__(self, on_change: ChangeCallback, *, log_dir: str = "/tmp/gpumgr/logs", mps: bool = False) -> None:
-        super().__init__(on_change, mps=mps)
+    def __init__(self, on_change: ChangeCallback, *, log_dir: str = "/tmp/gpumgr/logs", mps: bool = False,
+                 mps_pipe_directory: str = mps_caps.DEFAULT_PIPE_DIRECTORY) -> None:
+        super().__init__(on_change, mps=mps, mps_pipe_directory=mps_pipe_directory)
         self.log_dir = Path(log_dir)
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -54,6 +56,8 @@ class ProcessRuntime(Runtime):
             raise RuntimeFailure(f"{', '.join(spec.run.given())} need a node that runs Docker; this one runs host "
                                  "processes", code="invalid_request")
         env = {**os.environ, **grant_env(spec, self.mps), Env.CUDA_VISIBLE_DEVICES: ",".join(spec.gpus)}
+        if self.mps:
+            env.update(mps_caps.pipe_env(self.mps_pipe_directory))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             with open(self.log_dir / f"{spec.grant}.log", "ab") as out:

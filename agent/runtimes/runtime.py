@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpumgr.agent.runtimes import mps as mps_caps
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import InvalidRequest, NotFound
 from gpumgr.wire.names import LABEL_PREFIX, REMOVING, Env, Label, State
@@ -47,6 +48,8 @@ class Managed:
     tenant: str = ""
     priority: int = 0
     preemptible: bool = False
+    #: its percentage of each GPU's SMs under MPS (0: no share)
+    compute_share: int = 0
     #: the highest usage, summed over its GPUs, any sample has seen
     peak: int = 0
 
@@ -59,6 +62,7 @@ class Managed:
             exit_code=self.exit_code, reason=self.reason, usage=usage or {}, labels=labels,
             on_overrun=self.on_overrun, created_at=self.created_at, hook=self.hook, finished_at=self.finished_at,
             tenant=self.tenant, priority=self.priority, preemptible=self.preemptible, peak=self.peak,
+            compute_share=self.compute_share,
         )
 
     def status(self, usage: dict[str, int] | None = None) -> ContainerStatus:
@@ -76,19 +80,21 @@ def grant_env(spec: ContainerSpec, mps: bool = False) -> dict[str, str]:
 
     With ``mps`` (the host runs the MPS control daemon) the CUDA driver itself also caps each
     visible device at the grant, through ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``; the enforcer's kill
-    stays the backstop.
+    stays the backstop. A ``compute_share`` becomes ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` there
+    (:mod:`gpumgr.agent.runtimes.mps`); without MPS a share means nothing to the driver and is not passed.
     """
     env = {**spec.env, Env.NVIDIA_VISIBLE_DEVICES: ",".join(spec.gpus), Env.GPU_MEMORY: str(spec.gpu_memory),
            Env.GRANT: spec.grant}
     if mps:
-        mib = max(1, spec.gpu_memory // (1 << 20))
-        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{i}={mib}M" for i in range(len(spec.gpus)))
+        env.update(mps_caps.memory_env(spec.gpu_memory, len(spec.gpus)))
+        env.update(mps_caps.share_env(spec.compute_share))
     return env
 
 
 def task_env(managed: Managed, node: str, mps: bool = False) -> dict[str, str]:
     """What the runtime hook writes into a task container's environment: its pinning and its grant."""
-    spec = ContainerSpec(grant=managed.grant, name=managed.name, gpus=managed.gpus, gpu_memory=managed.gpu_memory)
+    spec = ContainerSpec(grant=managed.grant, name=managed.name, gpus=managed.gpus, gpu_memory=managed.gpu_memory,
+                         compute_share=managed.compute_share)
     return {**grant_env(spec, mps), Env.NODE: node, Env.ON_OVERRUN: managed.on_overrun}
 
 
@@ -97,9 +103,12 @@ class Runtime:
 
     kind = "none"
 
-    def __init__(self, on_change: ChangeCallback, *, mps: bool = False) -> None:
+    def __init__(self, on_change: ChangeCallback, *, mps: bool = False,
+                 mps_pipe_directory: str = mps_caps.DEFAULT_PIPE_DIRECTORY) -> None:
         self._on_change = on_change
         self.mps = mps
+        #: where the host's MPS daemon listens (given to containers on an ``mps`` node)
+        self.mps_pipe_directory = mps_pipe_directory
         self._lock = threading.Lock()
         self._table: dict[str, Managed] = {}
         #: containers that looked managed but could not be adopted, and why (told to the manager on register)
@@ -219,6 +228,7 @@ def grant_labels(spec: ContainerSpec) -> dict[str, str]:
         Label.CREATED_AT: repr(spec.created_at or time.time()),
         Label.USER_LABELS: json.dumps(sorted(spec.labels)), Label.TENANT: spec.tenant,
         Label.PRIORITY: str(spec.priority), Label.PREEMPTIBLE: "1" if spec.preemptible else "0",
+        Label.COMPUTE_SHARE: str(spec.compute_share),
     }
 
 
@@ -233,7 +243,14 @@ def managed_from_labels(container_id: str, labels: dict[str, str], image: str, s
         labels={k: labels[k] for k in user_keys if k in labels}, on_overrun=labels.get(Label.ON_OVERRUN, "kill"),
         created_at=float(labels.get(Label.CREATED_AT, "0")), state=state, tenant=labels.get(Label.TENANT, ""),
         priority=_int(labels.get(Label.PRIORITY, "0")), preemptible=labels.get(Label.PREEMPTIBLE) == "1",
+        compute_share=share_label(labels.get(Label.COMPUTE_SHARE, "0")),
     )
+
+
+def share_label(text: str) -> int:
+    """A compute share label as a share: out of range or unreadable reads as none (the manager's wire checks too)."""
+    share = _int(text)
+    return share if 0 <= share <= defaults.MAX_COMPUTE_SHARE else 0
 
 
 def _int(text: str) -> int:

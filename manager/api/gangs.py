@@ -30,6 +30,7 @@ class CreateGang(CreateContainer):
     one_per_node: StrictBool = Field(True, description="every member on its own node")
     restart: Literal["never", "gang"] = Field("never", description="gang: a failed gang is placed again whole")
     max_restarts: StrictInt = Field(0, ge=0, le=100, description="with restart gang: how many times at most")
+    compute_share: StrictInt | None = Field(None, description="not offered for gangs: any value is a 400")
 
 
 @bp.post("/gangs")
@@ -40,6 +41,9 @@ def create_gang() -> tuple[Response, int]:
     if reserved:
         raise InvalidRequest(f"env: {', '.join(reserved[:8])} are reserved: gpumgr sets GPUMGR_GANG* and PET_* "
                              "in each member (its rank and the rendezvous)")
+    if body.compute_share is not None:  # a gang's one decision does not weigh shares: refused, never ignored
+        raise InvalidRequest("compute_share is not offered for gangs: place each member with POST /v1/containers, "
+                             "or leave compute_share out")
     if body.restart != "gang" and body.max_restarts:
         raise InvalidRequest("max_restarts needs restart: gang")
     member, tenant = placement_of(body)

@@ -79,6 +79,8 @@ class ContainerRecord(_Shape):
                                  "ends")
     priority: int
     preemptible: bool
+    compute_share: int = Field(description="percent of each of its GPUs' SMs under MPS (0: none, it takes what is "
+                               "left unshared)")
     container_id: str | None
     state: State
     exit_code: int | None
@@ -143,6 +145,8 @@ class GpuView(_Shape):
     containers: list[str]
     memory_reserved_for_gang: int = Field(description="held for a gang that waited gang_reserve_after: no other "
                                           "request may take it")
+    mps: bool = Field(description="its node runs MPS: compute shares may be placed here")
+    compute_shares: int = Field(description="percent of its SMs its live grants' compute shares take (at most 100)")
     compute_capability: str | None = Field(description="e.g. 9.0; null when its node cannot tell")
     healthy: bool = Field(description="false: it takes no new grants (its running containers are left alone)")
     health: str | None = Field(description="why it is unhealthy (a fatal Xid, retired pages, ECC errors, heat)")
@@ -157,6 +161,7 @@ class NodeView(_Shape):
     state: Literal["ready", "down"]
     last_seen: float
     runtime: str
+    mps: bool = Field(description="its agent runs with mps: true (the MPS control daemon)")
     labels: dict[str, str] = Field(description="its agent's labels (`node.labels.KEY` constraints)")
     gpus: list[GpuView]
     unusable: str | None = Field(description="why nothing is placed on it though it is ready (its agent cannot "

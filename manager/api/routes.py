@@ -153,8 +153,8 @@ class CreateContainer(RunSpec):
     placement: Literal["spread", "binpack"] | None = None
     constraints: Annotated[list[StrictStr], AfterValidator(_constraints)] = Field(
         default_factory=list, max_length=MAX_CONSTRAINTS, description="where it may run, in Swarm's syntax: "
-        "node.name, node.labels.KEY, gpu.model (a glob), gpu.uuid, gpu.index, gpu.memory, gpu.compute_capability "
-        "with ==, != (and >=, <= for numbers and sizes), e.g. 'gpu.model==*H100*', 'gpu.memory>=40GiB'",
+        "node.name, node.labels.KEY, gpu.model (a glob), gpu.uuid, gpu.index, gpu.memory, gpu.compute_capability, "
+        "gpu.mps with ==, != (and >=, <= for numbers and sizes), e.g. 'gpu.model==*H100*', 'gpu.memory>=40GiB'",
         json_schema_extra={"items": {"type": "string", "maxLength": MAX_CONSTRAINT_CHARS}})
     on_overrun: Literal["kill", "stop", "report"] | None = None
     tenant: StrictStr | None = Field(None, pattern=TENANT_NAME.pattern, description="the operator only: act for "
@@ -163,6 +163,10 @@ class CreateContainer(RunSpec):
                                        description="higher is placed first; default and ceiling: the tenant's")
     preemptible: StrictBool = Field(False, description="may be stopped (state preempted) to make room for a "
                                     "queued request of higher priority")
+    compute_share: StrictInt | None = Field(None, ge=1, le=defaults.MAX_COMPUTE_SHARE, description="percent of "
+                                            "each GPU's SMs (1-100; leave it out for none): placed only on nodes "
+                                            "that run MPS, at most 100 per GPU, and given to its processes as "
+                                            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
     queue: StrictBool = Field(False, description="wait for room (202, state queued) instead of 409 no_fit")
     # one number type (a strict float takes ints too): on a union of int and float the bounds were
     # written into the document as keywords JSON Schema does not know, so they were not published
@@ -233,7 +237,7 @@ def placement_of(body: CreateContainer) -> tuple[PlacementSpec, Tenant | None]:
         memory=body.gpu_memory, count=body.gpus, placement=body.placement or settings.placement, image=body.image,
         command=body.command, name=body.name, env=body.env, labels=body.labels, node=body.node,
         on_overrun=body.on_overrun or settings.on_overrun, priority=priority, preemptible=body.preemptible,
-        run=run.given(), constraints=body.constraints,
+        run=run.given(), constraints=body.constraints, compute_share=body.compute_share or 0,
     )
     return spec, tenant
 

@@ -28,6 +28,7 @@ from gpumgr.manager.model.terms import Terms
 from gpumgr.manager.model.views import MapReads
 from gpumgr.manager.model.walk.dispatch import Dispatch, request_for, take_slots
 from gpumgr.manager.placing.scheduler import place
+from gpumgr.manager.placing.shares import no_share_room
 from gpumgr.manager.tenancy.accounts import AccountTree
 from gpumgr.manager.tenancy.tenants import Tenant, TenantBook
 from gpumgr.wire import defaults
@@ -133,11 +134,11 @@ class Cluster(Terms, MapReads, GangCalls):
     def register(self, name: str, routing_id: bytes, runtime: str, gpus: list[GpuInfo],
                  containers: list[ContainerReport], *, key: str = "", instance: str = "",
                  labels: dict[str, str] | None = None,
-                 advertise_addr: str = "") -> tuple[list[str], list[Command], bool]:
+                 advertise_addr: str = "", mps: bool = False) -> tuple[list[str], list[Command], bool]:
         """A node registers: ``(orphan grants to remove there, commands, whether its agent restarted)``."""
         with self.lock:
             return self.reconciler.register(name, routing_id, runtime, gpus, containers, key=key, instance=instance,
-                                            labels=labels, advertise_addr=advertise_addr)
+                                            labels=labels, advertise_addr=advertise_addr, mps=mps)
 
     def heartbeat(self, name: str, routing_id: bytes, samples: list[GpuSample],
                   containers: list[ContainerStatus]) -> tuple[list[str], list[Command]] | None:
@@ -244,9 +245,9 @@ class Cluster(Terms, MapReads, GangCalls):
         if not queue and not len(self.queue):  # the common case: nothing waits, place as always
             try:
                 slots = place(self.ledger.index, request)
-            except NoFit:
+            except NoFit as exc:
                 self.dispatcher.check_could_fit(spec)  # never_fits, rather than "no room now", when it never will
-                raise
+                raise no_share_room(exc, spec.compute_share) from None
             except NoAgents:
                 if any(n.ready and any(g.health for g in n.gpus) for n in self.ledger.nodes.values()):
                     # ready nodes, whose every GPU is unhealthy
@@ -275,8 +276,8 @@ class Cluster(Terms, MapReads, GangCalls):
         position = self.queue.position(record.id) or 1
         if not queue:
             self.life.forget(record)
-            raise NoFit(self.life.why_waiting(spec.memory, spec.count, position - 1)
-                        + "; send \"queue\": true to wait for room")
+            raise no_share_room(NoFit(self.life.why_waiting(spec.memory, spec.count, position - 1)
+                                      + "; send \"queue\": true to wait for room"), spec.compute_share)
         if not spec.hook:  # a hook's wait lives in its node's open request, which a restart ends
             self.life.journaled.add(record.id)
             self.life.unwritten.add(record.id)

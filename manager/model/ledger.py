@@ -16,6 +16,7 @@ from collections import deque
 from gpumgr.manager.model.records import Container, Gpu, Node, OpKind
 from gpumgr.manager.placing import topology
 from gpumgr.manager.placing.scheduler import FreeIndex
+from gpumgr.manager.placing.shares import shares_problems
 from gpumgr.wire import defaults
 from gpumgr.wire.constraints import NO_CONSTRAINTS, Constraints
 from gpumgr.wire.names import LIVE, QUEUED, State
@@ -77,9 +78,11 @@ class Ledger:
         record.held = record.gpu_memory
         if record.preemptible:
             self.preemptible.add(record.id)
+        share = record.spec.compute_share
         for uid in record.gpus:
             gpu = self.gpus[uid]
             gpu.reserved += record.held
+            gpu.compute_shares += share
             gpu.holders.add(record.id)
             self.index.update(gpu)
             self.touched.add(gpu.node)
@@ -93,6 +96,7 @@ class Ledger:
             gpu = self.gpus.get(uid)
             if gpu is not None and record.id in gpu.holders:
                 gpu.reserved -= record.held
+                gpu.compute_shares -= record.spec.compute_share
                 gpu.holders.discard(record.id)
                 self.index.update(gpu)
                 self.touched.add(gpu.node)
@@ -160,7 +164,7 @@ class Ledger:
         """
         self.nodes[node.name] = node
         for gpu in node.gpus:
-            gpu.labels = node.labels
+            gpu.labels, gpu.mps = node.labels, node.mps
         topology.assign_groups(node.gpus)
         self._capacity.clear()
         self.version += 1
@@ -278,13 +282,15 @@ class Ledger:
         """
         found: list[str] = []
         for gpu in self.gpus.values():
-            held = 0
+            held = shares = 0
             for cid in gpu.holders:
                 record = self.records.get(cid)
                 if record is None or record.state not in LIVE or record.node != gpu.node:
                     found.append(f"GPU {gpu.uuid} lists holder {cid}, which holds no live grant there")
                 else:
                     held += record.held
+                    shares += record.spec.compute_share
+            found += shares_problems(gpu, shares)
             if held != gpu.reserved:
                 found.append(f"GPU {gpu.uuid} shows {gpu.reserved} reserved; its holders hold {held}")
             if held and held > gpu.total - gpu.headroom and gpu.uuid not in self.shrunk:

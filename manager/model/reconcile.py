@@ -51,7 +51,7 @@ class Reconciler:
     def register(self, name: str, routing_id: bytes, runtime: str, gpus: list[GpuInfo],
                  containers: list[ContainerReport], *, key: str = "", instance: str = "",
                  labels: dict[str, str] | None = None,
-                 advertise_addr: str = "") -> tuple[list[str], list[Command], bool]:
+                 advertise_addr: str = "", mps: bool = False) -> tuple[list[str], list[Command], bool]:
         """Add or refresh a node and adopt its containers: ``(orphans to remove, commands, restarted)``.
 
         Raises GpuConflict, changing nothing, if another live node holds one of the GPUs. A
@@ -68,7 +68,7 @@ class Reconciler:
         was = {g.uuid: g.health for g in old.gpus} if old is not None else {}
         node = Node(name, routing_id, runtime, [self.ledger.gpu_for(name, info) for info in gpus], key=key,
                     instance=instance, last_seen=self.clock.time(), last_seen_mono=self.clock.monotonic(),
-                    labels=dict(labels or {}), advertise_addr=advertise_addr)
+                    labels=dict(labels or {}), advertise_addr=advertise_addr, mps=mps)
         self.ledger.set_node(node)
         self.ledger.set_ready(node, True)
         if not quiet:
@@ -360,7 +360,8 @@ class Reconciler:
                              image=report.image or None, command=list(report.command), name=report.name,
                              labels=dict(report.labels), node=node.name, on_overrun=report.on_overrun,
                              container_id=report.container_id, hook=report.hook, tenant=report.tenant or None,
-                             priority=report.priority, preemptible=report.preemptible)
+                             priority=report.priority, preemptible=report.preemptible,
+                             compute_share=report.compute_share)
         record = Container(
             id=report.grant, name=report.name, node=node.name, gpus=list(report.gpus), gpu_memory=report.gpu_memory,
             spec=spec, state=State.CREATING if report.state == State.CREATING else State.RUNNING,
@@ -374,8 +375,9 @@ class Reconciler:
         if accounts is not None:  # its over_quota is decided again as it is counted (oldest adopted first)
             record.account = accounts.account_of(record.tenant)
         missing = [u for u in record.gpus if u not in self.ledger.gpus or self.ledger.gpus[u].node != node.name]
-        over = [u for u in record.gpus if u not in missing and self.ledger.gpus[u].reserved + record.gpu_memory
-                > self.ledger.gpus[u].total - self.ledger.gpus[u].headroom]
+        over = [u for u in record.gpus if u not in missing and (self.ledger.gpus[u].reserved + record.gpu_memory
+                > self.ledger.gpus[u].total - self.ledger.gpus[u].headroom or self.ledger.gpus[u].compute_shares
+                + report.compute_share > defaults.MAX_COMPUTE_SHARE)]
         if live and (missing or over or not record.gpus):
             why = (f"it names GPU(s) {', '.join(missing) or '(none)'} that node {node.name} does not report"
                    if missing or not record.gpus else

@@ -53,6 +53,8 @@ class Node:
     unusable: str = ""
     #: where other hosts reach it, as its agent says ("": not said): a gang's rendezvous on its rank 0
     advertise_addr: str = ""
+    #: its agent runs with ``mps: true`` (the MPS daemon): compute shares may be placed on its GPUs
+    mps: bool = False
 
 
 class OpKind(StrEnum):
@@ -215,6 +217,11 @@ class Container:
         return self.spec.on_overrun
 
     @property
+    def compute_share(self) -> int:
+        """Its percentage of each of its GPUs' SMs under MPS (0: none; see manager/placing/shares.py)."""
+        return self.spec.compute_share
+
+    @property
     def preempted_for(self) -> str | None:
         """The queued request it is being stopped for, while it is (or once it was) preempted."""
         value = self.detail.get("preempted_for")
@@ -275,6 +282,8 @@ class PlacementSpec:
     run: dict[str, Any] = field(default_factory=dict)
     #: where it may run (``wire.constraints``), as written; validated at the edge
     constraints: list[str] = field(default_factory=list)
+    #: its percentage of each GPU's SMs under MPS (1-100; 0: no share), validated at the edge
+    compute_share: int = 0
 
 
 class RandomIds:

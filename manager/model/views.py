@@ -33,7 +33,8 @@ def node_view(node: Node, shown: Callable[[str], bool] | None = None) -> dict[st
     """
     return {
         "name": node.name, "state": "ready" if node.ready else "down", "last_seen": node.last_seen,
-        "runtime": node.runtime, "labels": dict(node.labels), "gpus": [gpu_view(g, shown) for g in node.gpus],
+        "runtime": node.runtime, "mps": node.mps, "labels": dict(node.labels),
+        "gpus": [gpu_view(g, shown) for g in node.gpus],
         "unusable": node.unusable or None,
     }
 
@@ -46,6 +47,8 @@ def gpu_view(gpu: Gpu, shown: Callable[[str], bool] | None = None) -> dict[str, 
         "memory_used": gpu.used, "memory_reserved": gpu.reserved, "memory_unmanaged": gpu.unmanaged,
         "memory_headroom": gpu.headroom, "memory_free": gpu.free, "containers": holders,
         "memory_reserved_for_gang": gpu.gang_hold,
+        # its node runs MPS, and the percent of its SMs its live grants' compute shares take (at most 100)
+        "mps": gpu.mps, "compute_shares": gpu.compute_shares,
         "compute_capability": gpu.compute_capability or None, "healthy": not gpu.health, "health": gpu.health or None,
         # its NVLink island, PCIe switch and socket (GPUs sharing an id are joined that well); None: not reported
         "topology": None if gpu.groups is None else dict(zip(LINKS, gpu.groups, strict=True)),
@@ -66,6 +69,7 @@ def container_view(record: Container, gpus: dict[str, dict[str, Any]] | None = N
         "gpus": [gpus.get(u, {"uuid": u, "index": None, "name": None}) for u in record.gpus],
         "gpu_count": record.count, "gpu_memory": record.gpu_memory, "gpu_memory_used": sum(record.usage.values()),
         "gpu_memory_peak": record.gpu_memory_peak, "priority": record.priority, "preemptible": record.preemptible,
+        "compute_share": record.compute_share,
         "container_id": record.container_id, "state": str(record.state), "exit_code": record.exit_code,
         "reason": record.reason, "created_at": record.created_at, "finished_at": record.finished_at,
         "image": record.image, "command": list(record.command), "labels": dict(record.labels),

@@ -39,6 +39,10 @@ class GpuSlot:
     groups: tuple[int, int, int] | None = None
     #: bytes held for a gang that waited long enough: nothing else may take them (see manager/model/gangs.py)
     gang_hold: int = 0
+    #: its node runs MPS: compute shares may be placed here (see :mod:`gpumgr.manager.placing.shares`)
+    mps: bool = False
+    #: the sum of its live grants' compute shares (percent of its SMs; at most 100)
+    compute_shares: int = 0
 
     @property
     def free(self) -> int:

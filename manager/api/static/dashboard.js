@@ -330,7 +330,10 @@
       el("span", { class: "muted gpu-uuid", text: gpu.uuid }));
     const figures = el("div", { class: "gpu-figures" },
       figure("used", gpu.memory_used), figure("granted", gpu.memory_reserved),
-      unmanaged ? figure("unmanaged", unmanaged) : null, figure("free", free), figure("total", total));
+      unmanaged ? figure("unmanaged", unmanaged) : null, figure("free", free), figure("total", total),
+      gpu.mps ? el("span", { class: "fig", "data-compute-shares": gpu.compute_shares || 0,
+        title: "MPS: the compute shares of its grants, in percent of its SMs (at most 100)" },
+        el("span", { class: "muted", text: "SM shares " }), (gpu.compute_shares || 0) + "%") : null);
     return el("div", { class: "gpu" + (sick ? " is-unhealthy" : ""), "data-gpu": gpu.uuid }, title, bar, figures);
   }
 
@@ -406,6 +409,8 @@
       el("td", { text: where }),
       stateCell,
       el("td", { class: "num", text: bytes(grant) + (c.gpu_count > 1 ? " (" + c.gpu_count + "×)" : "") }),
+      el("td", { class: "num", "data-compute-share": c.compute_share || 0,
+        text: c.compute_share ? c.compute_share + "%" : "–" }),
       el("td", { class: "num", text: isLive ? bytes(used) : "–" }),
       el("td", { class: "num", text: bytes(c.gpu_memory_peak || 0) }),
       share);

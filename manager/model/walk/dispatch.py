@@ -27,6 +27,7 @@ from gpumgr.manager.model.lifecycle import Lifecycle, placed_text
 from gpumgr.manager.model.records import Container, PlacementSpec
 from gpumgr.manager.model.walk.sharing import FairWalk
 from gpumgr.manager.placing.scheduler import GpuSlot, Placement, Request, link_of, place
+from gpumgr.manager.placing.shares import ever_fits, with_share
 from gpumgr.wire import defaults
 from gpumgr.wire.constraints import NO_CONSTRAINTS, Constraints, compiled
 from gpumgr.wire.errors import GpumgrError, InvalidRequest, NoAgents, NoFit
@@ -43,8 +44,8 @@ _PLACEMENTS = {p.value: p for p in Placement}
 def request_for(spec: PlacementSpec, memory: int) -> Request:
     """What the scheduler is asked for ``spec`` at ``memory`` bytes per GPU."""
     placement = _PLACEMENTS.get(spec.placement) or Placement(spec.placement)
-    if spec.constraints:
-        return Request(memory, spec.count, spec.node, placement, constraints_of(spec))
+    if spec.constraints or spec.compute_share:
+        return Request(memory, spec.count, spec.node, placement, with_share(constraints_of(spec), spec.compute_share))
     return Request(memory, spec.count, spec.node, placement)  # as bench/scheduler.py's older ones take
 
 
@@ -142,7 +143,7 @@ class Dispatch:
         spec = record.spec
         return not (not self.life.quotas.within_live(record)
                     or (spec.node is not None and spec.node not in self.ledger.index.by_node)
-                    or self.ledger.capacity(spec.count, spec.node, self.request_of(record).constraints)
+                    or self.ledger.capacity(spec.count, spec.node, ever_fits(constraints_of(spec), spec.compute_share))
                     < record.gpu_memory)
 
     def placed(self, record: Container, slots: list[GpuSlot], own: str | None) -> None:
@@ -175,11 +176,13 @@ class Dispatch:
         memory = spec.memory if memory is None else memory
         if not self.ledger.nodes or (spec.node is not None and spec.node not in self.ledger.nodes):
             return  # nothing known yet: a node may join
-        constraints = constraints_of(spec)
+        constraints = ever_fits(constraints_of(spec), spec.compute_share)
         best = self.ledger.capacity(spec.count, spec.node, constraints)
         if best < memory:
             where = f"node {spec.node}" if spec.node else "any node"
             allowed = f" that {', '.join(constraints.texts)} allow" if constraints else ""
+            if spec.compute_share:
+                allowed += f" (a compute_share of {spec.compute_share}% runs only on nodes whose agent has mps: true)"
             raise NoFit(f"no GPU could ever hold this: {format_bytes(memory)} on {spec.count} GPU(s){allowed} of one "
                         f"node, and the largest {where} has is {format_bytes(best)} each; nothing was queued",
                         code="never_fits")
@@ -233,25 +236,26 @@ class Dispatch:
         records = self.ledger.records
         spec = head.spec
         nodes = [spec.node] if spec.node is not None else list(self.ledger.index.by_node)
-        allowed = constraints_of(spec).allows if spec.constraints else None
+        share = spec.compute_share
+        allowed = ever_fits(constraints_of(spec), share).allows if spec.constraints or share else None
         best: tuple[int, list[Container]] | None = None
         for name in nodes:
             options: list[tuple[int, list[Container]]] = []
             for gpu in self.ledger.node_gpus(name):
                 if gpu not in self.ledger.index or (allowed is not None and not allowed(gpu)):
                     continue  # not schedulable, or not one it may use: nothing there is stopped for it
-                free = gpu.free
-                if free >= head.gpu_memory:
+                free, room = gpu.free, defaults.MAX_COMPUTE_SHARE - gpu.compute_shares - share
+                if free >= head.gpu_memory and room >= 0:
                     options.append((0, []))
                     continue
                 chosen: list[Container] = []
                 for victim in sorted((records[c] for c in gpu.holders), key=order):
-                    if free >= head.gpu_memory:
+                    if free >= head.gpu_memory and room >= 0:
                         break
                     if eligible(victim):
                         chosen.append(victim)
-                        free += victim.held
-                if free >= head.gpu_memory:
+                        free, room = free + victim.held, room + victim.compute_share
+                if free >= head.gpu_memory and room >= 0:
                     options.append((sum(v.held for v in chosen), chosen))
             if len(options) < spec.count:
                 continue
