@@ -137,8 +137,8 @@ class Agent:
                                      self._pool)
         client = getattr(self.runtime, "client", None)
         if client is not None:  # the engine's API may be slow: never on the link's thread
-            threading.Thread(target=swarm_labels.publish, args=(client, self.devices), name="swarm-labels",
-                             daemon=True).start()
+            threading.Thread(target=swarm_labels.publish, args=(client, self.devices, self.runtime.mps),
+                             name="swarm-labels", daemon=True).start()
         self.link.run()
 
     def _configure(self, sock: zmq.Socket[bytes]) -> None:

@@ -3,7 +3,7 @@
 ``node.*`` constraints are Swarm's own (``node.name`` as ``node.hostname``) and are passed on as
 ``--constraint``; ``gpu.*`` ones travel in the task's environment (``GPUMGR_REQUEST_CONSTRAINTS``), for
 the hook to ask the manager with on the node Swarm picks. Exact ``gpu.model``, ``gpu.memory`` and
-``gpu.compute_capability`` equalities also become Swarm constraints on the labels agents give their
+``gpu.compute_capability`` equalities (and ``gpu.mps``) also become Swarm constraints on the labels agents give their
 Swarm nodes (:mod:`gpumgr.agent.runtimes.swarm_labels`), so Swarm sends such tasks only where they can run.
 """
 
@@ -13,11 +13,21 @@ import json
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from gpumgr.wire.constraints import GPU_CC, GPU_MEMORY, GPU_MODEL, NO_CONSTRAINTS, Constraint, Constraints, parse_all
+from gpumgr.wire.constraints import (
+    GPU_CC,
+    GPU_MEMORY,
+    GPU_MODEL,
+    GPU_MPS,
+    NO_CONSTRAINTS,
+    Constraint,
+    Constraints,
+    parse_all,
+)
 from gpumgr.wire.names import Env
 
 #: ``gpu.*`` attributes → the Swarm node label the agent writes for them (``agent.swarm_labels``).
-SWARM_LABELS = {GPU_MODEL: "gpumgr.gpu.model", GPU_MEMORY: "gpumgr.gpu.memory", GPU_CC: "gpumgr.gpu.compute_capability"}
+SWARM_LABELS = {GPU_MODEL: "gpumgr.gpu.model", GPU_MEMORY: "gpumgr.gpu.memory", GPU_CC: "gpumgr.gpu.compute_capability",
+                GPU_MPS: "gpumgr.gpu.mps"}
 
 
 class Wanted(NamedTuple):
@@ -77,6 +87,9 @@ def _label_hints(constraints: Constraints) -> list[str]:
     hints = []
     for c in constraints.items:
         label = SWARM_LABELS.get(c.attr)
+        if c.attr == GPU_MPS:  # only an MPS node has the label: "not MPS" is "not labelled true"
+            hints.append(f"node.labels.{label}{'==' if (c.op == '==') == (c.number == (1,)) else '!='}true")
+            continue
         value = _value(c)
         if label is None or c.op != "==" or any(ch in value for ch in "*?["):
             continue

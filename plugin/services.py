@@ -72,8 +72,9 @@ def grant_args(client: Manager, ours: dict[str, str], constraints: Wanted = NOTH
         raise PluginError("--gpu-memory is required, e.g. --gpu-memory 6GiB")
     memory, count = _memory(ours["--gpu-memory"]), _count(ours.get("--gpus", "1"))
     share = _share(ours.get("--compute-share"))
-    _check_fits_somewhere(client, memory, count, Constraints((*constraints.gpu.items, MPS)) if share
-                          else constraints.gpu)
+    if share:  # Swarm, too, sends its tasks only to MPS nodes (the label their agents write)
+        constraints = constraints._replace(gpu=Constraints((*constraints.gpu.items, MPS)))
+    _check_fits_somewhere(client, memory, count, constraints.gpu)
     extra = [f"--env={k}={v}" for k, v in TASK_TEMPLATES.items()] + swarm_constraints(constraints)
     extra += [f"--env=GPUMGR_REQUEST_MEMORY={memory}", f"--env=GPUMGR_REQUEST_GPUS={count}",
               f"--label=gpumgr.gpu-memory={memory}", f"--label=gpumgr.gpus={count}"]

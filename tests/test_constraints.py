@@ -386,3 +386,41 @@ def test_constraints_that_slipped_past_the_edge_are_refused_and_leave_nothing() 
     entry = {"id": "j1", "name": "j1", "created_at": 0.0, "queued_at": 0.0,
              "spec": {**spec(G).__dict__, "constraints": ["gpu.index>>0"]}}
     assert cluster.restore_queue([entry]) == 0
+
+
+def test_gpu_mps_and_a_compute_share_reach_swarm_as_the_mps_label_agents_write() -> None:
+    from gpumgr.agent.gpus.source import Device
+    from gpumgr.agent.runtimes.swarm_labels import labels_for
+    from gpumgr.plugin.placement import swarm_constraints
+    from gpumgr.plugin.services import constraints_of
+
+    device = Device(uuid="GPU-a", index=0, name="Simulated GPU", memory_total=24 * G)
+    assert labels_for([device], mps=True)["gpumgr.gpu.mps"] == "true"
+    assert "gpumgr.gpu.mps" not in labels_for([device])  # a node without MPS has no such label
+    hints = {text: [o for o in swarm_constraints(constraints_of(["--constraint", text, "img"])[0])
+                    if o.startswith("--constraint=")] for text in
+             ("gpu.mps==true", "gpu.mps!=false", "gpu.mps==false", "gpu.mps!=true")}
+    assert hints == {"gpu.mps==true": ["--constraint=node.labels.gpumgr.gpu.mps==true"],
+                     "gpu.mps!=false": ["--constraint=node.labels.gpumgr.gpu.mps==true"],
+                     "gpu.mps==false": ["--constraint=node.labels.gpumgr.gpu.mps!=true"],
+                     "gpu.mps!=true": ["--constraint=node.labels.gpumgr.gpu.mps!=true"]}
+
+
+def test_a_service_with_a_compute_share_asks_swarm_for_an_mps_node() -> None:
+    from gpumgr.plugin.cli_base import PluginError
+    from gpumgr.plugin.services import grant_args
+
+    class Nodes:  # answers GET /v1/nodes as the manager does, with one MPS node and one without
+        def __init__(self, mps: bool) -> None:
+            self.mps = mps
+
+        def call(self, method: str, path: str) -> dict[str, object]:
+            assert (method, path) == ("GET", "/v1/nodes")
+            return {"nodes": [{"name": "n1", "state": "ready", "labels": {}, "gpus": [
+                {"uuid": "GPU-1", "index": 0, "memory_total": 24 * G, "mps": self.mps}]}]}
+
+    args = grant_args(Nodes(mps=True), {"--gpu-memory": "4GiB", "--compute-share": "25"})
+    assert "--constraint=node.labels.gpumgr.gpu.mps==true" in args
+    assert "--constraint=node.labels.gpumgr.gpu.mps==true" not in grant_args(Nodes(True), {"--gpu-memory": "4GiB"})
+    with pytest.raises(PluginError, match=r"gpu\.mps==true"):  # no MPS node could ever run it: nothing is created
+        grant_args(Nodes(mps=False), {"--gpu-memory": "4GiB", "--compute-share": "25"})
