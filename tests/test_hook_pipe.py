@@ -27,6 +27,7 @@ from gpumgr.agent.hook.hookfifo import HookFifo
 from gpumgr.cli import main
 from gpumgr.wire.engine import hookpipe
 from gpumgr.wire.names import Env, Label
+from tests.procs import AgentProc
 
 
 class Launcher:
@@ -116,6 +117,40 @@ def test_a_gpu_task_is_granted_and_pinned_through_the_pipe_without_python(docker
         assert not list(Path(docker_agent.hook_socket).parent.glob("*.r.*"))  # no reply pipe left behind
     finally:
         task.remove(force=True)
+
+
+@pytest.mark.docker
+def test_a_task_on_an_mps_node_joins_the_daemon_through_its_bundle(tmp_path, manager, docker_client, test_image,
+                                                                    cleanup_containers, root, capsys):
+    """On an ``mps: true`` node the agent's grant names the daemon's pipe directory, and the bundle gets what
+    ``--ipc=host -v PIPE:PIPE`` gives a plain container: the pipe bound, the host's IPC and /dev/shm, the share."""
+    pipe = tmp_path / "nvidia-mps"
+    pipe.mkdir()
+    config = tmp_path / "mps-agent.yaml"
+    config.write_text(json.dumps({"mps": True, "mps_pipe_directory": str(pipe)}))
+    agent = AgentProc(tmp_path, manager, "hookmps", gpus="sim:1x24GiB", extra=["--config", str(config)])
+    env = {Env.REQUEST_MEMORY: str(2 << 30), Env.REQUEST_COMPUTE_SHARE: "30"}
+    task = docker_client.containers.create(test_image, ["true"], network_mode="none", environment=env,
+                                           labels={"gpumgr.node": agent.node})
+    try:
+        launcher = Launcher(root, agent.hook_socket, capsys)
+        private_shm = {"destination": "/dev/shm", "type": "bind", "source": "/var/lib/docker/x/shm",
+                       "options": ["rbind"]}
+        bundle = launcher.bundle([f"{k}={v}" for k, v in env.items()], mounts=[private_shm],
+                                 linux={"namespaces": [{"type": "pid"}, {"type": "ipc"}, {"type": "mount"}]})
+        result = launcher.create(bundle, task.id)
+        assert result.returncode == 0, (result.stderr, launcher.logged())
+        spec = _spec(bundle)
+        pinned = dict(item.split("=", 1) for item in spec["process"]["env"])
+        assert pinned["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+        assert pinned["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe)
+        assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" in pinned
+        assert [n["type"] for n in spec["linux"]["namespaces"]] == ["pid", "mount"]  # the host's IPC
+        assert sorted((m["destination"], m["source"]) for m in spec["mounts"]) == [
+            ("/dev/shm", "/dev/shm"), (str(pipe), str(pipe))]
+    finally:
+        task.remove(force=True)
+        agent.stop()
 
 
 @pytest.mark.docker

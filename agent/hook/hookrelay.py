@@ -23,10 +23,11 @@ from typing import Any
 
 from gpumgr.agent.hook.hookfifo import FifoRequest, HookFifo
 from gpumgr.agent.hook.hooklink import HookConnection, HookListener
-from gpumgr.agent.runtimes.runtime import Runtime, task_env
+from gpumgr.agent.runtimes import mps as mps_caps
+from gpumgr.agent.runtimes.runtime import Managed, Runtime, task_env
 from gpumgr.wire import defaults, protocol
 from gpumgr.wire.engine import hookpipe
-from gpumgr.wire.engine.bundle import gpu_in_spec, held_refusal, pin_bundle, read_bundle
+from gpumgr.wire.engine.bundle import MPS_PIPE, gpu_in_spec, held_refusal, pin_bundle, read_bundle
 from gpumgr.wire.errors import AgentTimeout, GpumgrError, ProtocolError
 from gpumgr.wire.link.link import Link
 from gpumgr.wire.names import Env
@@ -150,8 +151,7 @@ class HookRelay:
             answer(None, ("invalid_request", "GPU tasks need the Docker runtime"))
         elif (held := self.runtime.holder_of(message.container_id)) is not None and not held.hook:
             # a REST container (its image may carry GPUMGR_REQUEST_MEMORY): it holds its grant already
-            answer({"grant": held.grant, "gpus": held.gpus, "env": task_env(held, self.node, self.runtime.mps)},
-                   None)
+            answer(self._grant(held), None)
         else:
             try:
                 request = self.runtime.engine_request(message)  # type: ignore[attr-defined]
@@ -177,8 +177,16 @@ class HookRelay:
             answer(None, (error.code, error.message))
             return
         managed = self.runtime.track_task(request.container_id, reply.result, request)  # type: ignore[attr-defined]
-        answer({"grant": managed.grant, "gpus": managed.gpus, "env": task_env(managed, self.node, self.runtime.mps)},
-               None)
+        answer(self._grant(managed), None)
+
+    def _grant(self, managed: Managed) -> dict[str, Any]:
+        """What the hook writes into the task's bundle: its pinning and grant, and on an MPS node the daemon's pipe."""
+        env = task_env(managed, self.node, self.runtime.mps)
+        grant: dict[str, Any] = {"grant": managed.grant, "gpus": managed.gpus, "env": env}
+        if self.runtime.mps:
+            env.update(mps_caps.pipe_env(self.runtime.mps_pipe_directory))
+            grant[MPS_PIPE] = self.runtime.mps_pipe_directory
+        return grant
 
     def _answer(self, conn: HookConnection, msg_id: str, result: dict[str, Any] | None,
                 error: tuple[str, str] | None) -> None:

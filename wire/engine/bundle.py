@@ -16,6 +16,10 @@ from typing import Any
 
 from gpumgr.wire.names import Label
 
+#: The key of the agent's grant that names its MPS daemon's pipe directory (absent where the node runs no MPS).
+MPS_PIPE = "mps_pipe"
+#: Where a container's shared memory is: an MPS client shares the host's with the daemon.
+SHM = "/dev/shm"
 GPU_MAJOR = 195
 #: A bundle's ``config.json`` is a few kilobytes; one near this is not the engine's.
 MAX_SPEC_BYTES = 16 * 1024 * 1024
@@ -43,7 +47,25 @@ def pin_bundle(spec_path: Path, spec: dict[str, Any], env: dict[str, str], grant
     env.update(grant["env"])
     spec["process"]["env"] = [f"{k}={v}" for k, v in env.items()]
     spec.setdefault("annotations", {})[Label.GRANT] = grant["grant"]
+    pipe = grant.get(MPS_PIPE)
+    if isinstance(pipe, str) and os.path.isabs(pipe):
+        join_mps(spec, pipe)
     write_atomically(spec_path, json.dumps(spec))
+
+
+def join_mps(spec: dict[str, Any], pipe: str) -> None:
+    """Make ``spec``'s container an MPS client of the host's daemon: its pipe directory bound, the host's IPC.
+
+    What ``docker run --ipc=host -v PIPE:PIPE`` gives a container, written into the bundle, since a Swarm
+    task cannot ask for it: the host's IPC namespace (the container's own ``ipc`` namespace entry goes) and
+    the host's ``/dev/shm`` in place of the container's private one. These are the node's additions (its
+    agent runs with ``mps: true``), made whatever the service asked for.
+    """
+    mounts = [m for m in spec.get("mounts") or [] if m.get("destination") not in (pipe, SHM)]
+    spec["mounts"] = [*mounts, *({"destination": path, "type": "bind", "source": path, "options": ["rbind", "rw"]}
+                                 for path in (pipe, SHM))]
+    linux = spec.setdefault("linux", {})
+    linux["namespaces"] = [n for n in linux.get("namespaces") or [] if n.get("type") != "ipc"]
 
 
 def gpu_in_spec(spec: dict[str, Any]) -> str | None:
