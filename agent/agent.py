@@ -280,6 +280,8 @@ class Agent:
                      peer.routing_id.decode(errors="replace"))
         elif isinstance(message, protocol.Registered):
             self.interval = message.heartbeat_interval
+            if self.enforcer is not None:  # its protection of granted bytes keeps the manager's headroom clear too
+                self.enforcer.bursts.headroom = message.headroom
             self.managers.answered()
             self.registered.set()
             self._backoff, self._next_beat = defaults.RECONNECT_MIN, 0.0
@@ -405,8 +407,8 @@ class Agent:
         return {"grant": message.grant}
 
     def _resize(self, message: protocol.Resize) -> dict[str, Any]:
-        managed = self.runtime.resize(message.grant, message.gpu_memory)
-        log.info("grant %s resized to %d bytes per GPU", message.grant, message.gpu_memory)
+        managed = self.runtime.resize(message.grant, message.gpu_memory, message.gpu_memory_limit)
+        log.info("grant %s resized to %d bytes per GPU (limit %d)", message.grant, message.gpu_memory, managed.limit)
         return managed.report().model_dump()
 
     def _logs(self, message: protocol.Logs) -> dict[str, Any]:

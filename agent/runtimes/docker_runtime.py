@@ -264,7 +264,9 @@ class DockerRuntime(EngineEvents):
         try:
             memory, gpus = parse_bytes(env[Env.REQUEST_MEMORY]), int(env.get(Env.REQUEST_GPUS, "1"))
             labels = {label: env[var] for var, label in TASK_LABELS.items() if env.get(var)}
+            limit = parse_bytes(env[Env.REQUEST_MEMORY_LIMIT]) if env.get(Env.REQUEST_MEMORY_LIMIT) else 0
             reserve = Reserve(container_id=summary["Id"], gpu_memory=memory, gpus=gpus, labels=labels,
+                              gpu_memory_limit=limit,
                               name=env.get(Env.TASK_NAME) or str(attrs.get("Name", "")).lstrip("/"),
                               image=str(attrs["Config"].get("Image", "")),
                               on_overrun=env.get(Env.REQUEST_ON_OVERRUN) or None,
@@ -307,7 +309,8 @@ class DockerRuntime(EngineEvents):
                           labels=dict(request.labels),
                           on_overrun=str(grant.get("on_overrun") or "kill"), created_at=time.time(),
                           state=State.CREATING, hook=True, tenant=str(grant.get("tenant") or ""),
-                          priority=int(grant.get("priority") or 0), preemptible=bool(grant.get("preemptible")))
+                          priority=int(grant.get("priority") or 0), preemptible=bool(grant.get("preemptible")),
+                          gpu_memory_limit=int(grant.get("gpu_memory_limit") or 0))
         self._track(managed)
         self._write_ledger()
         return managed
@@ -447,7 +450,8 @@ class DockerRuntime(EngineEvents):
         tasks = [{"grant": m.grant, "container_id": m.container_id, "name": m.name, "gpus": m.gpus,
                   "gpu_memory": m.gpu_memory, "image": m.image, "labels": m.labels, "on_overrun": m.on_overrun,
                   "created_at": m.created_at, "tenant": m.tenant, "priority": m.priority,
-                  "preemptible": m.preemptible} for m in self.managed() if m.hook]
+                  "preemptible": m.preemptible, "gpu_memory_limit": m.gpu_memory_limit}
+                 for m in self.managed() if m.hook]
         security.write_private(self._ledger, {"tasks": tasks})
 
 

@@ -215,6 +215,11 @@ class Container:
         return self.spec.on_overrun
 
     @property
+    def gpu_memory_limit(self) -> int:
+        """A burstable grant's limit per GPU (0: ``gpu_memory`` is its limit); the map reserves only the grant."""
+        return self.spec.memory_limit
+
+    @property
     def preempted_for(self) -> str | None:
         """The queued request it is being stopped for, while it is (or once it was) preempted."""
         value = self.detail.get("preempted_for")
@@ -239,6 +244,8 @@ class MetricsSnapshot:
 
     #: (node, uuid, index, model, total, used, reserved, unmanaged, free)
     gpus: list[tuple[str, str, int, str, int, int, int, int, int]] = field(default_factory=list)
+    #: (node, uuid, bytes bursters use above their grants there)
+    bursts: list[tuple[str, str, int]] = field(default_factory=list)
     #: (node, gpu uuid, grant id, name, tenant, granted bytes, used bytes): one per container per GPU
     containers: list[tuple[str, str, str, str, str, int, int]] = field(default_factory=list)
     #: (node, ready)
@@ -275,6 +282,8 @@ class PlacementSpec:
     run: dict[str, Any] = field(default_factory=dict)
     #: where it may run (``wire.constraints``), as written; validated at the edge
     constraints: list[str] = field(default_factory=list)
+    #: a burstable grant's limit per GPU (0: ``memory``, no burst)
+    memory_limit: int = 0
 
 
 class RandomIds:
