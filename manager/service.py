@@ -47,7 +47,7 @@ from gpumgr.wire.errors import (
     StoreUnavailable,
 )
 from gpumgr.wire.link.lanes import Lanes
-from gpumgr.wire.names import LIVE, State
+from gpumgr.wire.names import BURST_RECLAIMED, LIVE, State
 
 log = logging.getLogger(__name__)
 
@@ -462,7 +462,9 @@ def _message(command: Command, settings: ManagerSettings, tenants: TenantBook, o
     if command.kind is OpKind.RESIZE:
         return protocol.Resize(grant=record.id, gpu_memory=command.op.new, gpu_memory_limit=record.gpu_memory_limit,
                                op=op)
-    return protocol.Remove(grant=record.id, stop_grace=min(defaults.STOP_GRACE, settings.remove_timeout / 2), op=op)
+    # a reclaimed burster is killed at once: the bytes it holds are wanted by a request waiting now
+    grace = 0.0 if record.desired_reason == BURST_RECLAIMED else min(defaults.STOP_GRACE, settings.remove_timeout / 2)
+    return protocol.Remove(grant=record.id, stop_grace=grace, op=op)
 
 
 def accounts_of(settings: ManagerSettings) -> AccountTree | None:
