@@ -17,6 +17,7 @@ import time
 from collections import Counter, defaultdict
 from typing import Any
 
+from gpumgr.manager.model.ledger import burst_on
 from gpumgr.wire import defaults
 from gpumgr.wire.names import Label
 
@@ -209,6 +210,10 @@ def model_violations(manager: Any, engines: dict[str, dict[str, tuple[str, int]]
                 elif record.held < enforced:
                     found.append(f"container of grant {grant} enforces {enforced} on {node}; the map holds "
                                  f"{record.held}")
+        for gpu in ledger.gpus.values():  # the bursts the map shows are its holders' use above their grants
+            if gpu.burst != burst_on(gpu, ledger.records):
+                found.append(f"GPU {gpu.uuid} shows {gpu.burst} burst, its holders use "
+                             f"{burst_on(gpu, ledger.records)} above their grants")
         found += gang_violations(manager.cluster)
     return found
 

@@ -366,7 +366,7 @@ class DockerRuntime(EngineEvents):
         but has no trustworthy record of its grant is refused, and the manager is told why.
         """
         self._adopt_tasks()
-        resized = self._read_resized()
+        resized, limits = self._read_resized(), self._resized_limits()
         mine: dict[str, str | list[str] | bool] = {"label": [Label.GRANT, f"{Label.NODE}={self.node}"]}
         for container in self.client.containers.list(all=True, filters=mine):
             problem = _label_problem(container.labels)
@@ -383,6 +383,7 @@ class DockerRuntime(EngineEvents):
             managed.pid = state.get("Pid") or None
             if managed.grant in resized:
                 managed.gpu_memory = self._resized_grants[managed.grant] = resized[managed.grant]
+                managed.gpu_memory_limit = limits.get(managed.grant, managed.gpu_memory_limit)
             self._track(managed)
             log.info("re-adopted %s container %s (grant %s)", managed.state, container.short_id, managed.grant)
 
@@ -434,6 +435,17 @@ class DockerRuntime(EngineEvents):
             log.warning("ignoring the resized grants file: %s", exc)
             return {}
 
+    def _resized_limits(self) -> dict[str, int]:
+        """The burst limits of the resized grants, as the file keeps them beside their figures (0: no burst)."""
+        if self._resized_file is None or not self._resized_file.exists():
+            return {}
+        try:
+            limits = security.read_private(self._resized_file).get("limits", {})
+            return {str(k): max(0, int(v)) for k, v in limits.items()}
+        except (ValueError, TypeError, AttributeError) as exc:
+            log.warning("ignoring the resized limits: %s", exc)
+            return {}
+
     def _write_resized(self, managed: Managed) -> None:
         if self._resized_file is None:
             return
@@ -442,7 +454,8 @@ class DockerRuntime(EngineEvents):
             self._resized_grants = {g: tracked[g].gpu_memory for g in self._resized_grants if g in tracked}
             self._resized_grants.update((m.grant, m.gpu_memory) for m in [managed] if not m.hook)
             grants = dict(self._resized_grants)
-        security.write_private(self._resized_file, {"grants": grants})
+            limits = {g: (managed if g == managed.grant else tracked[g]).gpu_memory_limit for g in grants}
+        security.write_private(self._resized_file, {"grants": grants, "limits": limits})
 
     def _write_ledger(self) -> None:
         if self._ledger is None:

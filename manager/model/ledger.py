@@ -120,15 +120,15 @@ class Ledger:
         if not delta:
             return
         self.version += 1
+        record.held = held
         for uid in record.gpus:
             gpu = self.gpus.get(uid)
             if gpu is not None and record.id in gpu.holders:
                 gpu.reserved += delta
-                if gpu.burst:  # bytes its burst used are now its grant's
+                if gpu.burst or record.usage.get(uid, 0) > held:  # its use above its grant moved with the grant
                     gpu.burst = burst_on(gpu, self.records)
                 self.index.update(gpu)
                 self.touched.add(gpu.node)
-        record.held = held
         if delta < 0:
             self.wake.set()
 
