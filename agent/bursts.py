@@ -36,7 +36,6 @@ class BurstGuard:
         self.headroom = 0
         #: grants stopped here, so a container dying slowly is not stopped twice
         self._stopped: set[str] = set()
-        self.stopped_total = 0
 
     def guard(self, sample: Sample, managed: dict[str, Managed], room: dict[str, int]) -> dict[str, int]:
         """Stop what must stop after ``sample``; return ``room`` (each GPU's least growth that needs a full
@@ -85,7 +84,6 @@ class BurstGuard:
             log.warning("could not stop burster %s: %s", container.container_id[:12], exc)
             return False
         self._stopped.add(container.grant)
-        self.stopped_total += 1
         return True
 
     def _theirs(self, container: Managed, pid: int, started: int | None) -> bool:

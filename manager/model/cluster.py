@@ -126,7 +126,7 @@ class Cluster(Terms, MapReads, GangCalls):
 
     def set_timeouts(self, create: float, remove: float) -> None:
         """How long nodes have to answer a create, and a remove or resize."""
-        self.create_timeout = create
+        self.create_timeout = self.dispatcher.bursts.wait_limit = create
         self.reconciler.remove_timeout = self.resizer.timeout = remove
 
     # --- nodes ---------------------------------------------------------------------------------

@@ -47,8 +47,8 @@ class BurstReclaim:
         self.life, self.ledger = life, life.ledger
         #: seconds a burster runs before it may be reclaimed (the manager's ``burst_min_runtime``)
         self.min_runtime = defaults.BURST_MIN_RUNTIME
-        #: how many bursters were reclaimed (a metric's source)
-        self.reclaimed = 0
+        #: how long a request that did not ask to queue waits for the bytes reclaimed for it (the create timeout)
+        self.wait_limit = defaults.CREATE_TIMEOUT
 
     def holding(self) -> bool:
         """Whether bursters use bytes above their grants anywhere on the map (a request may need them)."""
@@ -59,6 +59,9 @@ class BurstReclaim:
         it waits for them (queued, for its caller's create timeout, unjournaled: its caller holds the answer)."""
         if not self.reclaim(record, dispatch.making_room, dispatch.may_stop):
             return False
+        # a backstop: its caller withdraws it after its own create timeout; a runtime hook's ends here
+        record.expires_mono = self.life.clock.monotonic() + self.wait_limit + defaults.CREATE_MARGIN
+        self.life.expiries.add((record.expires_mono, record.id))
         self.life.event(EventType.QUEUED, f"waits for {format_bytes(record.gpu_memory)} that bursters use above "
                         "their grants: they are being reclaimed", record, reclaim=True)
         return True
@@ -112,7 +115,6 @@ class BurstReclaim:
         self.life.event(EventType.PREEMPTED, f"reclaiming burster (priority {victim.priority}, "
                         f"{format_bytes(burst)} above its grant): request {head.id} needs the bytes", victim,
                         preempted_for=head.id, burst=burst, reason=BURST_RECLAIMED)
-        self.reclaimed += 1
 
     def victims(self, head: Container, eligible: Callable[[Container], bool]) -> list[Container]:
         """The bursters whose stopping lets ``head`` fit, at the fewest bytes burst; empty if none would do."""
