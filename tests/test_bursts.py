@@ -137,3 +137,18 @@ def test_a_queued_request_reclaims_when_it_reaches_the_head(one):
     one.cluster.finish(burster.id, State.KILLED, reason="stopped")
     one.cluster.dispatch()
     assert waiting.state is State.CREATING and blocker.state is State.RUNNING
+
+
+def test_quotas_and_accounts_count_the_request_not_the_limit(one):
+    from gpumgr.manager.tenancy.accounts import AccountConfig, build_accounts
+    from gpumgr.manager.tenancy.tenants import OPERATOR, Tenant, TenantBook
+
+    team = Tenant("team", b"team-token-0123456789", 8 * GiB, None, 5)
+    one.cluster.tenants = TenantBook({"team": team}, "operator-token-0000")
+    one.cluster.accounts = build_accounts({"a": AccountConfig(quota={"gpu_memory": 4 * GiB})}, {"team": "a"})
+    spec = PlacementSpec(memory=4 * GiB, count=1, placement="spread", image="img", command=[], memory_limit=20 * GiB)
+    record, _ = one.cluster.submit(spec, tenant=team)  # a 20 GiB limit, quotas of 8 and 4 GiB: the 4 GiB counts
+    assert record.state is State.CREATING
+    assert one.cluster.tenants_view(OPERATOR)[0]["in_use"]["gpu_memory"] == 4 * GiB
+    account = next(a for a in one.cluster.accounts_view(OPERATOR) or [] if a["name"] == "a")
+    assert account["allocated"] == account["requested"] == 4 * GiB and not account["waiting"]
