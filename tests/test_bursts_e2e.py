@@ -46,9 +46,9 @@ def bursts(stack, docker_client) -> Iterator[tuple[ManagerProc, AgentProc]]:
 
 
 def job(image: str, memory: str, use: int, limit: str | None = None, **extra) -> dict:
-    """A container that declares ``use`` bytes of simulated GPU memory and sleeps."""
+    """A container that declares ``use`` bytes of simulated GPU memory and sleeps (a DELETE's SIGTERM ends it)."""
     body = {"image": image, "gpu_memory": memory, "env": {"GPUMGR_SIM_USAGE_FILE": USAGE},
-            "command": ["sh", "-c", f"echo {use} > {USAGE}; exec sleep 300"], **extra}
+            "command": ["sh", "-c", f"trap 'exit 0' TERM; echo {use} > {USAGE}; sleep 300 & wait"], **extra}
     return body | ({"gpu_memory_limit": limit} if limit else {})
 
 
