@@ -152,3 +152,14 @@ def test_quotas_and_accounts_count_the_request_not_the_limit(one):
     assert one.cluster.tenants_view(OPERATOR)[0]["in_use"]["gpu_memory"] == 4 * GiB
     account = next(a for a in one.cluster.accounts_view(OPERATOR) or [] if a["name"] == "a")
     assert account["allocated"] == account["requested"] == 4 * GiB and not account["waiting"]
+
+
+def test_a_restarted_manager_adopts_the_limit_and_the_burst_from_a_registration():
+    cluster = Cluster(clock=LogicalClock())
+    report = ContainerReport(grant="b1", container_id="c-b1", gpus=[GPU], gpu_memory=4 * GiB, state="running",
+                             gpu_memory_limit=12 * GiB, usage={GPU: 10 * GiB})
+    cluster.register("n", b"r", "docker", [GpuInfo(uuid=GPU, index=0, name="Sim", memory_total=24 * GiB)], [report])
+    record = cluster.get("b1")
+    assert (record.state, record.gpu_memory, record.gpu_memory_limit) == (State.RUNNING, 4 * GiB, 12 * GiB)
+    gpu = cluster.nodes_view()[0]["gpus"][0]
+    assert (gpu["memory_reserved"], gpu["memory_burst"], gpu["memory_free"]) == (4 * GiB, 6 * GiB, 14 * GiB)
