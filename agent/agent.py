@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -44,13 +43,12 @@ from gpumgr.agent.managers import (
 from gpumgr.agent.meter import Sample, take_sample
 from gpumgr.agent.ops import OpKey, Ops, op_key
 from gpumgr.agent.runtimes import swarm_labels
-from gpumgr.agent.runtimes.runtime import ChangeCallback, Managed, Runtime
+from gpumgr.agent.runtimes.runtime import Managed, Runtime
 from gpumgr.agent.screening import Screen, not_leader
 from gpumgr.wire import defaults, protocol, security
 from gpumgr.wire.epoch import Epoch
 from gpumgr.wire.errors import AgentFailed, AgentTimeout, GpumgrError, PolicyDenied, ProtocolError
 from gpumgr.wire.link.link import Link, LinkHooks, Peer
-from gpumgr.wire.policy import Policy
 
 log = logging.getLogger(__name__)
 DEFAULT_ENFORCEMENT = EnforcerSettings()
@@ -280,6 +278,8 @@ class Agent:
                      peer.routing_id.decode(errors="replace"))
         elif isinstance(message, protocol.Registered):
             self.interval = message.heartbeat_interval
+            if self.enforcer is not None:  # its protection of granted bytes keeps the manager's headroom clear too
+                self.enforcer.bursts.headroom = message.headroom
             self.managers.answered()
             self.registered.set()
             self._backoff, self._next_beat = defaults.RECONNECT_MIN, 0.0
@@ -406,8 +406,8 @@ class Agent:
         return {"grant": message.grant}
 
     def _resize(self, message: protocol.Resize) -> dict[str, Any]:
-        managed = self.runtime.resize(message.grant, message.gpu_memory)
-        log.info("grant %s resized to %d bytes per GPU", message.grant, message.gpu_memory)
+        managed = self.runtime.resize(message.grant, message.gpu_memory, message.gpu_memory_limit)
+        log.info("grant %s resized to %d bytes per GPU (limit %d)", message.grant, message.gpu_memory, managed.limit)
         return managed.report().model_dump()
 
     def _logs(self, message: protocol.Logs) -> dict[str, Any]:
@@ -458,43 +458,3 @@ def _dealer_options(sock: zmq.Socket[bytes]) -> None:
                           (zmq.RECONNECT_IVL, int(defaults.RECONNECT_MIN * 1000)),
                           (zmq.RECONNECT_IVL_MAX, int(defaults.RECONNECT_MAX * 1000))):
         sock.setsockopt(option, value)
-
-
-def build_runtime(kind: str, on_change: ChangeCallback, *, network_mode: str | None, device_requests: str,
-                  gpu_kind: str, log_dir: str, mps: bool = False, node: str = "",
-                  state_dir: str | Path | None = None, guard_control: str | None = None,
-                  hook_limits: Any = None, policy: Policy | None = None,
-                  mps_pipe_directory: str = "/tmp/nvidia-mps") -> Runtime:
-    """The runtime ``kind``, chosen once at start and kept for the agent's life.
-
-    ``auto`` means Docker wherever an engine is installed: when its socket exists but does not answer
-    (it is restarting), the agent waits for it rather than quietly running containers as host processes;
-    only a host with no engine at all gets the process runtime.
-    """
-    from gpumgr.agent.runtimes.docker_runtime import DockerRuntime, docker_answers, docker_installed
-    from gpumgr.agent.runtimes.process_runtime import ProcessRuntime
-
-    if kind == "auto":
-        kind = "docker" if docker_installed() else "process"
-        log.info("runtime auto: %s (a Docker engine is %s)", kind, "installed" if kind == "docker" else "absent")
-    if kind == "process":
-        return ProcessRuntime(on_change, log_dir=log_dir, mps=mps, mps_pipe_directory=mps_pipe_directory)
-    deadline = time.monotonic() + defaults.ENGINE_WAIT
-    while not docker_answers():
-        if time.monotonic() > deadline:
-            raise OSError(f"the Docker engine did not answer within {defaults.ENGINE_WAIT:g}s")
-        log.warning("waiting for the Docker engine to answer")
-        time.sleep(1.0)
-    use_requests = device_requests == "always" or (device_requests == "auto" and gpu_kind == "nvml" and _has_nvidia())
-    return DockerRuntime(on_change, node=node, network_mode=network_mode, device_requests=use_requests, mps=mps,
-                         state_dir=state_dir, guard_control=guard_control, hook_limits=hook_limits,
-                         policy=policy, mps_pipe_directory=mps_pipe_directory)
-
-
-def _has_nvidia() -> bool:
-    import docker
-
-    try:
-        return "nvidia" in docker.from_env().info().get("Runtimes", {})
-    except Exception:  # no engine info means no NVIDIA runtime to use
-        return False

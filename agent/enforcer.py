@@ -4,14 +4,14 @@ The loop reads each GPU's used memory often (cheap: one NVML memory query per GP
 full per-process sample (the expensive NVML call) only when the growth since the last full sample
 could have pushed some container past its grant, or when a GPU's use fell (a process that ended or
 freed memory can hide another's growth), plus one at the regular interval. A container is *over*
-when its usage on a GPU exceeds its grant plus ``tolerance`` for ``samples`` consecutive full
-samples, or when it uses a GPU it was not granted; the samples that confirm a first over reading are
-taken ``confirm_interval`` apart, not a poll apart. Then, per the container's ``on_overrun``:
-``kill`` it at once, ``stop`` it (SIGTERM, SIGKILL after a grace period), or only ``report`` it, on a
-small pool of threads, so that one container's kill never waits for another's and the loop goes on
-sampling; a container is acted on by one thread at a time. Before acting, every offending PID is
-checked again to still be the same process in the same container, because PIDs are reused.
-Processes in no managed container are never touched.
+when its usage on a GPU exceeds its limit (a burster's ``gpu_memory_limit``, else its grant) plus
+``tolerance`` for ``samples`` consecutive full samples, or when it uses a GPU it was not granted; the
+samples that confirm a first over reading are taken ``confirm_interval`` apart, not a poll apart.
+Then, per the container's ``on_overrun``: ``kill`` it at once, ``stop`` it (SIGTERM, SIGKILL after a
+grace period), or only ``report`` it, on a small pool of threads, so that one container's kill never
+waits for another's and the loop goes on sampling; a container is acted on by one thread at a time.
+Before acting, every offending PID is checked again to still be the same process in the same
+container, because PIDs are reused. Processes in no managed container are never touched.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpumgr.agent import procmap
+from gpumgr.agent.bursts import BurstGuard
 from gpumgr.agent.gpus.source import Device, GpuSource
 from gpumgr.agent.meter import Sample, take_sample
 from gpumgr.agent.runtimes.runtime import Managed, Runtime
@@ -89,6 +90,7 @@ class Enforcer:
         self.latest: Sample | None = None
         self.latest_at = 0.0
         self.full_samples = 0
+        self.bursts = BurstGuard(runtime, devices)  # bursters stopped before they eat into granted bytes
 
     def stop(self) -> None:
         """End the loop; actions already handed to the workers still finish."""
@@ -128,6 +130,7 @@ class Enforcer:
         managed = {m.grant: m for m in self.runtime.managed() if m.state == State.RUNNING}
         verdicts = self._judge(sample, managed)
         self._remember_room(sample, managed)
+        self._room = self.bursts.guard(sample, managed, self._room)
         pending = confirming = False
         for verdict in verdicts:
             key = (verdict.grant, verdict.gpu)
@@ -165,8 +168,8 @@ class Enforcer:
                 pids = sample.pids.get(grant, {}).get(gpu, [])
                 if gpu not in container.gpus and used > 0:
                     verdicts.append(Verdict(grant, REASON_NOT_GRANTED, gpu, used, 0, pids))
-                elif used > container.gpu_memory + self.settings.tolerance:
-                    verdicts.append(Verdict(grant, REASON_EXCEEDED, gpu, used, container.gpu_memory, pids))
+                elif used > container.limit + self.settings.tolerance:
+                    verdicts.append(Verdict(grant, REASON_EXCEEDED, gpu, used, container.limit, pids))
         return verdicts
 
     def _remember_room(self, sample: Sample, managed: dict[str, Managed]) -> None:
@@ -176,7 +179,7 @@ class Enforcer:
         for container in managed.values():
             for gpu in container.gpus:
                 used = sample.usage.get(container.grant, {}).get(gpu, 0)
-                left = max(0, container.gpu_memory + self.settings.tolerance - used)
+                left = max(0, container.limit + self.settings.tolerance - used)
                 room[gpu] = min(room.get(gpu, left), left)
         self._room = room
 

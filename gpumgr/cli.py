@@ -380,10 +380,11 @@ def _raise_open_files(wanted: int) -> int:
 def build_agent(settings: AgentSettings) -> Any:
     """Open the GPU source and the runtime and wire them into an agent."""
     from gpumgr.agent import procmap
-    from gpumgr.agent.agent import Agent, build_runtime
+    from gpumgr.agent.agent import Agent
     from gpumgr.agent.gpus.select import open_source
     from gpumgr.agent.identity import load_identity
     from gpumgr.agent.managers import local_address
+    from gpumgr.agent.runtimes.choose import build_runtime
     from gpumgr.agent.runtimes.hook_limits import HookLimits
 
     procmap.set_root(settings.proc_root)

@@ -143,7 +143,8 @@ class ContainerCollection:
             gpu_memory: int | str, gpus: int = 1, **options: Any) -> Container:
         """Place and start a container (``POST /v1/containers``); its record once it runs.
 
-        ``options`` are the API's other fields, as docker-py names them: ``name``, ``env``, ``labels``,
+        ``options`` are the API's other fields, as docker-py names them: ``gpu_memory_limit`` (a burstable
+        grant's limit), ``name``, ``env``, ``labels``,
         ``node``, ``placement``, ``on_overrun``, ``tenant``, ``priority``, ``preemptible``, ``queue``,
         ``queue_timeout``, ``compute_share``, and how it runs (``mounts``, ``ports``, ``network``, ...). With
         ``queue=True`` a request that does not fit now comes back with state ``queued`` and starts as soon as room
@@ -176,9 +177,11 @@ class ContainerCollection:
         """Stop and remove it, or withdraw it from the queue; its grant is freed. The final record."""
         return self._record(self.api.call("DELETE", f"/v1/containers/{_quote(ref)}"))
 
-    def resize(self, ref: str, gpu_memory: int | str, *, force: bool = False) -> Container:
-        """Grow or shrink its grant in place (``force``: even below what it uses now)."""
-        body = {"gpu_memory": gpu_memory, **({"force": True} if force else {})}
+    def resize(self, ref: str, gpu_memory: int | str | None = None, *, force: bool = False,
+               gpu_memory_limit: int | str | None = None) -> Container:
+        """Grow or shrink its grant, or its burst limit, in place (``force``: even below what it uses now)."""
+        body: dict[str, Any] = {"gpu_memory": gpu_memory, "gpu_memory_limit": gpu_memory_limit}
+        body = {k: v for k, v in body.items() if v is not None} | ({"force": True} if force else {})
         return self._record(self.api.call("PATCH", f"/v1/containers/{_quote(ref)}", body=body))
 
     def wait(self, ref: str, timeout: float | None = None) -> WaitResult:

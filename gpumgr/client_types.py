@@ -21,7 +21,8 @@ class ContainerCollection(Protocol):
 
     def remove(self, ref: str) -> Container: ...
 
-    def resize(self, ref: str, gpu_memory: int | str, *, force: bool = False) -> Container: ...
+    def resize(self, ref: str, gpu_memory: int | str | None = None, *, force: bool = False,
+               gpu_memory_limit: int | str | None = None) -> Container: ...
 
     def wait(self, ref: str, timeout: float | None = None) -> WaitResult: ...
 
@@ -93,6 +94,8 @@ class Container:
     gpu_memory_used: int
     gpu_memory_peak: int
     gpu_memory_held: int
+    #: a burstable grant's limit per GPU (``gpu_memory`` when it has none)
+    gpu_memory_limit: int
     priority: int
     preemptible: bool
     container_id: str | None
@@ -134,7 +137,8 @@ class Container:
             desired_state=data.get("desired_state", "running"), gpus=[GpuRef.from_json(g) for g in data["gpus"]],
             gpu_count=data["gpu_count"], gpu_memory=data["gpu_memory"], gpu_memory_used=data["gpu_memory_used"],
             gpu_memory_peak=data["gpu_memory_peak"], gpu_memory_held=data.get("gpu_memory_held", 0),
-            priority=data["priority"], preemptible=data["preemptible"], container_id=data.get("container_id"),
+            gpu_memory_limit=data.get("gpu_memory_limit") or data["gpu_memory"], priority=data["priority"],
+            preemptible=data["preemptible"], container_id=data.get("container_id"),
             exit_code=data.get("exit_code"), reason=data.get("reason"), created_at=data["created_at"],
             finished_at=data.get("finished_at"), image=data.get("image"), command=list(data.get("command") or []),
             labels=dict(data.get("labels") or {}), on_overrun=data["on_overrun"],
@@ -159,9 +163,10 @@ class Container:
         """Stop and remove it (or withdraw it from the queue); its grant is freed."""
         return self._through().remove(self.id)
 
-    def resize(self, gpu_memory: int | str, *, force: bool = False) -> Container:
-        """Grow or shrink its grant in place."""
-        return self._through().resize(self.id, gpu_memory, force=force)
+    def resize(self, gpu_memory: int | str | None = None, *, force: bool = False,
+               gpu_memory_limit: int | str | None = None) -> Container:
+        """Grow or shrink its grant, or its burst limit, in place."""
+        return self._through().resize(self.id, gpu_memory, force=force, gpu_memory_limit=gpu_memory_limit)
 
     def wait(self, timeout: float | None = None) -> WaitResult:
         """Block until it ends (or ``timeout`` seconds pass)."""
@@ -192,6 +197,8 @@ class Gpu:
     containers: list[str]
     #: held for a gang that has waited long enough: no other request may take it (issue 35)
     memory_reserved_for_gang: int
+    #: what containers use here above their grants (bursters): taken, though no grant reserves it
+    memory_burst: int
     compute_capability: str | None  # issue 23
     healthy: bool  # issue 23: false: it takes no new grants, and health says why
     health: str | None  # issue 23
@@ -208,6 +215,7 @@ class Gpu:
                    memory_unmanaged=data["memory_unmanaged"], memory_headroom=data.get("memory_headroom", 0),
                    memory_free=data["memory_free"], containers=list(data.get("containers") or []),
                    memory_reserved_for_gang=data.get("memory_reserved_for_gang", 0),
+                   memory_burst=data.get("memory_burst", 0),
                    compute_capability=data.get("compute_capability"), healthy=data.get("healthy", True),
                    health=data.get("health"), topology=data.get("topology"),  # issue 23
                    mps=bool(data.get("mps")), compute_shares=int(data.get("compute_shares") or 0), raw=data)

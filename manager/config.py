@@ -26,6 +26,8 @@ class ManagerSettings(Settings):
     heartbeat_interval: float = Field(defaults.HEARTBEAT_INTERVAL, gt=0)
     heartbeat_liveness: int = Field(defaults.HEARTBEAT_LIVENESS, ge=1)
     create_timeout: float = Field(defaults.CREATE_TIMEOUT, gt=0)
+    #: seconds a burster runs before its burst may be reclaimed for a request that needs the bytes
+    burst_min_runtime: float = Field(defaults.BURST_MIN_RUNTIME, ge=0)
     remove_timeout: float = Field(defaults.REMOVE_TIMEOUT, gt=0)
     forget_after: float = Field(defaults.NODE_FORGET_AFTER, gt=0)
     #: this fraction of the ready nodes silent within one down timeout is a partition: nothing of theirs is ended

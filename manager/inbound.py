@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from gpumgr.manager.model.bursts.limits import limit_of
 from gpumgr.manager.model.reconcile import end_of
 from gpumgr.manager.model.records import Container, PlacementSpec
 from gpumgr.manager.tenancy.hook_policy import hook_tenant  # issue 22
@@ -175,9 +177,9 @@ class Inbound:
             self.link.fail_peer(b"", OutcomeUnknown(f"the agent of node {message.node} restarted before answering: "
                                                     "what it was asked may have been done"), key=peer.key)
         self.cluster.refuse_adoptions(message.node, message.refused)
-        interval = self.manager.settings.heartbeat_interval
-        self.link.send(peer.routing_id, protocol.Registered(heartbeat_interval=interval), reply_to=envelope.id,
-                       key=peer.key)
+        settings = self.manager.settings
+        registered = protocol.Registered(heartbeat_interval=settings.heartbeat_interval, headroom=settings.headroom)
+        self.link.send(peer.routing_id, registered, reply_to=envelope.id, key=peer.key)
         self._remove_orphans(peer, orphans)
         self.manager.send(commands)
         log.info("node %s registered with %d GPUs", message.node, len(message.gpus))
@@ -277,6 +279,7 @@ class Inbound:
                 compute_share=request.compute_share,
             )
             try:
+                spec = replace(spec, memory_limit=limit_of(request.gpu_memory, request.gpu_memory_limit))
                 record, _ = self.cluster.submit(spec, queue=request.queue, queue_timeout=defaults.HOOK_QUEUE_TIMEOUT
                                                 if request.queue else None,
                                                 tenant=hook_tenant(self.manager.tenants, request))  # issue 22
@@ -338,7 +341,8 @@ class Inbound:
         return protocol.Reply(ok=True, result={"grant": record.id, "gpus": record.gpus, "gpu_memory": record.gpu_memory,
                                                "on_overrun": record.on_overrun, "priority": record.priority,
                                                "preemptible": record.preemptible, "tenant": record.tenant or "",
-                                               "compute_share": record.compute_share})
+                                               "compute_share": record.compute_share,
+                                               "gpu_memory_limit": record.gpu_memory_limit})
 
     def _remove_orphans(self, peer: Peer, grants: list[str]) -> None:
         for grant in grants:

@@ -55,13 +55,17 @@ class MapCollector(Collector):
         unmanaged = GaugeMetricFamily("gpumgr_gpu_memory_unmanaged_bytes", "GPU memory in use that no managed "
                                       "container explains (other processes, the driver)", labels=gpu_labels)
         free = GaugeMetricFamily("gpumgr_gpu_memory_free_bytes", "GPU memory that can still be granted: total - "
-                                 "reserved - unmanaged - headroom", labels=gpu_labels)
+                                 "reserved - unmanaged - headroom - burst", labels=gpu_labels)
         for node, uuid, index, model, t, u, r, m, f in snap.gpus:
             total.add_metric([node, uuid, str(index), model], t)
             used.add_metric([node, uuid], u)
             reserved.add_metric([node, uuid], r)
             unmanaged.add_metric([node, uuid], m)
             free.add_metric([node, uuid], f)
+        burst = GaugeMetricFamily("gpumgr_gpu_memory_burst_bytes", "GPU memory containers use above their grants "
+                                  "(bursters): taken, though no grant reserves it", labels=gpu_labels)
+        for node, uuid, b in snap.bursts:
+            burst.add_metric([node, uuid], b)
         healthy = GaugeMetricFamily("gpumgr_gpu_healthy", "1 while the GPU takes grants, 0 while its node reports it "
                                     "unhealthy (a fatal Xid, retired pages, ECC errors, heat)", labels=gpu_labels)
         for node, uuid, health in snap.health:
@@ -90,7 +94,7 @@ class MapCollector(Collector):
                                   "operator's)", labels=["tenant"])
         for tenant, count in sorted(snap.queued.items()):
             queue.add_metric([tenant], count)
-        yield from (total, used, reserved, unmanaged, free, healthy, grant, cused, up, kills, placements, queue)
+        yield from (total, used, reserved, unmanaged, free, burst, healthy, grant, cused, up, kills, placements, queue)
         yield from account_families(self.cluster.accounts_view(OPERATOR) or [])
 
 

@@ -47,7 +47,7 @@ from gpumgr.wire.errors import (
     StoreUnavailable,
 )
 from gpumgr.wire.link.lanes import Lanes
-from gpumgr.wire.names import LIVE, State
+from gpumgr.wire.names import BURST_RECLAIMED, LIVE, State
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class Manager:
         self.cluster.gangs.exit_grace, self.cluster.gangs.node_grace = settings.gang_exit_grace, settings.gang_grace
         self.cluster.gangs.reserve_after = settings.gang_reserve_after
         self.cluster.set_timeouts(settings.create_timeout, settings.remove_timeout)
+        self.cluster.dispatcher.bursts.min_runtime = settings.burst_min_runtime
         self.metrics = Metrics(self.cluster)
         if not shared:  # several managers: the leader loads the queue and intents when elected
             self.cluster.load_intents(self.plane.store.intents())
@@ -166,9 +167,12 @@ class Manager:
         """
         self.leading.check()
         record, commands = self.cluster.submit(spec, queue=queue, queue_timeout=queue_timeout, tenant=tenant)
-        if record.state is State.QUEUED:
+        if record.state is State.QUEUED and queue:
             return self.cluster.view(record), 202
-        self.send(commands)
+        if record.state is State.QUEUED:  # bursters are reclaimed for it; the dispatcher places it and sends its create
+            commands = self.cluster.dispatcher.bursts.await_placed(record, self.settings.create_timeout)
+        else:
+            self.send(commands)
         for command in commands:  # its create's answer (or its absence) settles the operation
             command.op.wait(self.settings.create_timeout + defaults.CREATE_MARGIN)
         if record.state is State.FAILED or record.state is State.CREATING:
@@ -177,13 +181,15 @@ class Manager:
                 OutcomeUnknown(f"node {record.node} did not confirm the container in time")
         return self.cluster.view(record), 201
 
-    def resize(self, cid: str, memory: int, *, force: bool = False, principal: Principal = OPERATOR) -> dict[str, Any]:
-        """Grow or shrink ``cid``'s grant in place; its node enforces the new figure from its next sample."""
+    def resize(self, cid: str, memory: int | None, *, force: bool = False, principal: Principal = OPERATOR,
+               limit: int | None = None) -> dict[str, Any]:
+        """Grow or shrink ``cid``'s grant (or its limit) in place; its node enforces the new figures from its next
+        sample."""
         self.leading.check()
         record = self.cluster.get_for(cid, principal)
         tenant = self.tenants.get(record.tenant) if record.tenant is not None else None
         was = record.gpu_memory
-        record, command = self.cluster.begin_resize(cid, memory, force=force, tenant=tenant)
+        record, command = self.cluster.begin_resize(cid, memory, force=force, tenant=tenant, limit=limit)
         try:
             self.sync_queue(strict=True)
         except GpumgrError:
@@ -449,13 +455,17 @@ def _message(command: Command, settings: ManagerSettings, tenants: TenantBook, o
         return protocol.Create(spec=protocol.ContainerSpec(
             grant=record.id, name=record.name, image=record.image, command=record.command, env=record.env,
             labels=record.labels, gpus=record.gpus, gpu_memory=record.gpu_memory, on_overrun=record.on_overrun,
+            gpu_memory_limit=record.gpu_memory_limit,
             created_at=record.created_at, tenant=record.tenant or "", priority=record.priority,
             preemptible=record.preemptible, compute_share=record.compute_share,
             **run_fields(record.spec.run, record.tenant, settings.policy, tenants),
         ), op=op)
     if command.kind is OpKind.RESIZE:
-        return protocol.Resize(grant=record.id, gpu_memory=command.op.new, op=op)
-    return protocol.Remove(grant=record.id, stop_grace=min(defaults.STOP_GRACE, settings.remove_timeout / 2), op=op)
+        return protocol.Resize(grant=record.id, gpu_memory=command.op.new, gpu_memory_limit=record.gpu_memory_limit,
+                               op=op)
+    # a reclaimed burster is killed at once: the bytes it holds are wanted by a request waiting now
+    grace = 0.0 if record.desired_reason == BURST_RECLAIMED else min(defaults.STOP_GRACE, settings.remove_timeout / 2)
+    return protocol.Remove(grant=record.id, stop_grace=grace, op=op)
 
 
 def accounts_of(settings: ManagerSettings) -> AccountTree | None:

@@ -194,7 +194,19 @@ def _reserve_message(container_id: str, env: dict[str, str]) -> dict[str, Any]:
         raise Refused(f"gpumgr: bad GPU request in the container's environment: {memory} bytes on {gpus} GPU(s)")
     return {"container_id": container_id, "gpu_memory": memory, "gpus": gpus, "name": env.get(TASK_NAME, ""),
             "image": "", "labels": {label: env[var] for var, label in TASK_ENV.items() if env.get(var)},
-            "on_overrun": env.get(REQUEST_ON_OVERRUN) or None, "node": ""}
+            "on_overrun": env.get(REQUEST_ON_OVERRUN) or None, "node": "",
+            **_limit_field(env)}
+
+
+def _limit_field(env: dict[str, str]) -> dict[str, int]:
+    """A burstable request's limit (``GPUMGR_REQUEST_MEMORY_LIMIT``), when the container's environment sets one."""
+    text = env.get(Env.REQUEST_MEMORY_LIMIT)
+    if not text:
+        return {}
+    try:
+        return {"gpu_memory_limit": parse_bytes(text)}
+    except ValueError as exc:
+        raise Refused(f"gpumgr: bad GPU memory limit in the container's environment: {exc}") from exc
 
 
 def _create_target(args: list[str]) -> tuple[str, str]:

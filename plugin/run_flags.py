@@ -60,6 +60,8 @@ def parser(error: type[Exception]) -> argparse.ArgumentParser:
     p.error_type = error
     add = p.add_argument
     add("--gpu-memory", required=True, help="GPU memory granted on each GPU, e.g. 8GiB")
+    add("--gpu-memory-limit", help="a burstable grant: what it may use on each GPU while the GPU has room, e.g. "
+                                   "12GiB (at least --gpu-memory); its burst is reclaimed when a request needs it")
     add("--gpus", default="1", help="how many GPUs (a number; Docker's 'all' and device= are not taken)")
     for flag in ("--node", "--name", "--placement", "--on-overrun", "--network", "--net", "--shm-size", "--ipc",
                  "--pid", "--entrypoint", "--cpus", "--stop-signal", "--log-driver"):
@@ -109,6 +111,8 @@ def build_request(args: argparse.Namespace, error: type[Exception]) -> dict[str,
               "mem_limit": _size(args.memory, error, parse_docker_bytes) if args.memory is not None else None,
               "nano_cpus": _cpus(args.cpus, error) if args.cpus else None}
     body.update({k: v for k, v in simple.items() if v is not None})
+    if args.gpu_memory_limit is not None:
+        body["gpu_memory_limit"] = _size(args.gpu_memory_limit, error)
     body.update({k: True for k in ("preemptible", "queue", "privileged") if getattr(args, k)})
     if args.constraint:
         body["constraints"] = list(args.constraint)

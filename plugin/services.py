@@ -42,8 +42,8 @@ def service(client: Manager, argv: list[str]) -> int:
 
 
 #: ``docker gpu service create``'s own options: name → whether it takes a value. The rest go to Docker.
-SERVICE_OPTIONS = {"--gpu-memory": True, "--gpus": True, "--on-overrun": True, "--priority": True,
-                   "--preemptible": False, "--queue": False, "--compute-share": True}
+SERVICE_OPTIONS = {"--gpu-memory": True, "--gpu-memory-limit": True, "--gpus": True, "--on-overrun": True,
+                   "--priority": True, "--preemptible": False, "--queue": False, "--compute-share": True}
 
 
 def service_create(client: Manager, argv: list[str]) -> int:
@@ -78,6 +78,11 @@ def grant_args(client: Manager, ours: dict[str, str], constraints: Wanted = NOTH
     extra = [f"--env={k}={v}" for k, v in TASK_TEMPLATES.items()] + swarm_constraints(constraints)
     extra += [f"--env=GPUMGR_REQUEST_MEMORY={memory}", f"--env=GPUMGR_REQUEST_GPUS={count}",
               f"--label=gpumgr.gpu-memory={memory}", f"--label=gpumgr.gpus={count}"]
+    if "--gpu-memory-limit" in ours:  # a burstable grant: the hook asks for the limit beside the request
+        limit = _memory(ours["--gpu-memory-limit"])
+        if limit < memory:
+            raise PluginError("--gpu-memory-limit must be at least --gpu-memory")
+        extra.append(f"--env={Env.REQUEST_MEMORY_LIMIT}={limit}")
     if "--on-overrun" in ours:
         if ours["--on-overrun"] not in ("kill", "stop", "report"):
             raise PluginError("--on-overrun must be kill, stop or report")

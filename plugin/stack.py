@@ -49,9 +49,9 @@ from gpumgr.plugin.services import (
 
 EXTENSION = "x-gpumgr"
 #: ``x-gpumgr`` keys and the ``docker gpu service create`` option each becomes (a flag for booleans).
-KEYS = {"gpu_memory": "--gpu-memory", "gpus": "--gpus", "priority": "--priority", "preemptible": "--preemptible",
-        "queue": "--queue", "on_overrun": "--on-overrun", "constraints": "--constraint",
-        "compute_share": "--compute-share"}
+KEYS = {"gpu_memory": "--gpu-memory", "gpu_memory_limit": "--gpu-memory-limit", "gpus": "--gpus",
+        "priority": "--priority", "preemptible": "--preemptible", "queue": "--queue", "on_overrun": "--on-overrun",
+        "constraints": "--constraint", "compute_share": "--compute-share"}
 #: The compose file format from which ``x-`` keys are allowed there.
 TOP_LEVEL_FROM, SERVICE_FROM = (3, 4), (3, 7)
 #: Sections whose entries may carry ``x-`` keys (from 3.7), stripped before Docker reads the file.

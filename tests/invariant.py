@@ -1,7 +1,9 @@
 """The one invariant of gpumgr, checked over the manager's model and the engines' truth.
 
 For every GPU the live grants sum to at most its memory minus the headroom (and to exactly what the
-map shows as reserved); every live grant belongs to exactly one container that exists in the engine,
+map shows as reserved), and so do they with what containers use above their grants there (bursts, once a
+sample has been taken: the manager grants no byte a burster holds, and the agent stops a burster that grew
+into granted bytes); every live grant belongs to exactly one container that exists in the engine,
 or is still being created with a deadline; every container that runs under gpumgr holds exactly one
 live grant; every record that ended carries its final state, reason, ``finished_at`` (and exit code,
 where it exited or was killed) and exactly one final event; and no gang is partly placed (a waiting gang
@@ -15,6 +17,7 @@ import time
 from collections import Counter, defaultdict
 from typing import Any
 
+from gpumgr.manager.model.ledger import burst_on
 from gpumgr.wire import defaults
 from gpumgr.wire.names import Label
 
@@ -72,6 +75,13 @@ def violations(manager: Any, docker_client: Any, nodes: set[str]) -> list[str]:
             if granted > gpu["memory_total"] - gpu["memory_headroom"]:
                 found.append(f"GPU {gpu['uuid']} is over-granted: {granted} of {gpu['memory_total']} "
                              f"(headroom {gpu['memory_headroom']})")
+            bursts = sum(max(0, r["gpu_memory_used"] - r["gpu_memory_held"]) for r in holders if r["gpu_count"] == 1)
+            if all(r["gpu_count"] == 1 for r in holders) and gpu["memory_burst"] != bursts:
+                found.append(f"GPU {gpu['uuid']} shows {gpu['memory_burst']} burst, its holders use {bursts} above "
+                             "their grants")
+            if granted + gpu["memory_burst"] > gpu["memory_total"] - gpu["memory_headroom"]:
+                found.append(f"GPU {gpu['uuid']} reserves {granted} and bursters use {gpu['memory_burst']} more: "
+                             f"past its {gpu['memory_total']} (headroom {gpu['memory_headroom']})")
             if gpu["memory_reserved"] != granted:
                 found.append(f"GPU {gpu['uuid']} shows {gpu['memory_reserved']} reserved, its live grants sum to "
                              f"{granted}")
@@ -204,6 +214,10 @@ def model_violations(manager: Any, engines: dict[str, dict[str, tuple[str, int]]
                 elif record.held < enforced:
                     found.append(f"container of grant {grant} enforces {enforced} on {node}; the map holds "
                                  f"{record.held}")
+        for gpu in ledger.gpus.values():  # the bursts the map shows are its holders' use above their grants
+            if gpu.burst != burst_on(gpu, ledger.records):
+                found.append(f"GPU {gpu.uuid} shows {gpu.burst} burst, its holders use "
+                             f"{burst_on(gpu, ledger.records)} above their grants")
         found += gang_violations(manager.cluster)
     return found
 

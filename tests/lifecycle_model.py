@@ -9,7 +9,9 @@ frame and leaves on its new connection then, or fails as never delivered at its 
 are scripted: each owns an engine (grant → container) and speaks through the manager's real
 inbound handler with a proven key. Time is :class:`LogicalClock`, advanced by the test.
 :func:`engine_violations` is the invariant over the engines' truth: a container alive on a node on
-the map always holds at least its enforced bytes.
+the map always holds at least its enforced bytes, and after a sample no GPU's reserved bytes plus bursts
+pass its total. Containers burst (use above their grants, up to their limits); each heartbeat first stops
+bursters as the agent's protection does (:func:`protect`).
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpumgr.agent.bursts import bursters
+from gpumgr.agent.meter import Sample
+from gpumgr.agent.runtimes.runtime import Managed
 from gpumgr.manager.clock import Clock
 from gpumgr.wire import defaults, protocol, security
 from gpumgr.wire.errors import AgentFailed, AgentTimeout, NoAgents
 from gpumgr.wire.link.link import Peer
-from gpumgr.wire.names import LIVE
+from gpumgr.wire.names import BURST_RECLAIMED, LIVE
 from tests.invariant import model_violations
 
 GiB = 1 << 30
@@ -151,6 +156,10 @@ class Box:
     ended_at: float | None = None
     #: its percent of each GPU's SMs, from its labels (issue 36)
     compute_share: int = 0
+    #: bytes it uses on each of its GPUs (what its heartbeats report), and its burst limit (0: its grant)
+    used: int = 0
+    limit: int = 0
+    reason: str | None = None
 
 
 class ScriptedAgent:
@@ -166,6 +175,8 @@ class ScriptedAgent:
                      for i in range(gpus)]
         self.engine: dict[str, Box] = {}
         self.up = True
+        #: what the last sample found broken: GPUs whose map reserves, with the bursts on it, more than it has
+        self.after_sample: list[str] = []
         manager.link.connected.add(self.routing_id)
         self._join()
 
@@ -212,7 +223,10 @@ class ScriptedAgent:
     def reports(self) -> list[protocol.ContainerReport]:
         return [protocol.ContainerReport(grant=b.grant, container_id=f"c-{b.grant}", gpus=b.gpus,
                                          gpu_memory=b.gpu_memory, state=b.state, exit_code=b.exit_code,
-                                         finished_at=None if b.state in LIVE else 1.7e9, compute_share=b.compute_share)
+                                         finished_at=None if b.state in LIVE else 1.7e9, compute_share=b.compute_share,
+                                         gpu_memory_limit=b.limit,
+                                         usage={g: b.used for g in b.gpus} if b.state in LIVE else {},
+                                         reason=b.reason)
                 for b in self.engine.values()]
 
     def register(self) -> None:
@@ -220,13 +234,29 @@ class ScriptedAgent:
                                     instance=self.instance, mps=self.mps))
 
     def heartbeat(self) -> None:
+        """One sample: the agent's protection stops bursters first (agent/bursts.py's order), then it reports."""
+        for grant in protect(self.engine, self.gpus):
+            self.end(grant, "killed", None, BURST_RECLAIMED)
         now = self.manager.cluster.clock.monotonic()
         recent = {g for g, b in self.engine.items() if b.ended_at is None or now - b.ended_at <= 30}
         statuses = [protocol.ContainerStatus(grant=r.grant, container_id=r.container_id, state=r.state,
-                                             exit_code=r.exit_code, gpu_memory=r.gpu_memory)
+                                             exit_code=r.exit_code, gpu_memory=r.gpu_memory, usage=r.usage,
+                                             gpu_memory_limit=r.gpu_memory_limit, reason=r.reason)
                     for r in self.reports() if r.grant in recent]
-        samples = [protocol.GpuSample(uuid=g.uuid, memory_used=0, memory_unmanaged=0) for g in self.gpus]
+        samples = [protocol.GpuSample(uuid=g.uuid, memory_used=sum(b.used for b in self.engine.values()
+                                                                   if b.state in LIVE and g.uuid in b.gpus),
+                                      memory_unmanaged=0) for g in self.gpus]
         self._say(protocol.Heartbeat(node=self.name, gpus=samples, containers=statuses))
+        self.after_sample = overbooked(self.manager.cluster.ledger, self.engine, self.name, [g.uuid for g in self.gpus])
+
+    def burst(self, grant: str, use: int) -> None:
+        """A running container's use changes to ``use`` per GPU, within its limit and what its GPUs have free."""
+        box = self.engine[grant]
+        sizes = {g.uuid: g.memory_total for g in self.gpus}
+        for uuid in box.gpus:
+            others = sum(b.used for b in self.engine.values() if b is not box and b.state in LIVE and uuid in b.gpus)
+            use = min(use, sizes[uuid] - others)
+        box.used = max(0, min(use, box.limit or box.gpu_memory))
 
     def reconnect(self) -> None:
         """Its socket reconnects: a new routing id, the same process (and key); the old connection is gone."""
@@ -244,7 +274,7 @@ class ScriptedAgent:
         if isinstance(message, protocol.Create):
             spec = message.spec
             self.engine[spec.grant] = Box(spec.grant, list(spec.gpus), spec.gpu_memory,
-                                          compute_share=spec.compute_share)
+                                          compute_share=spec.compute_share, limit=spec.gpu_memory_limit)
             report = protocol.ContainerReport(grant=spec.grant, container_id=f"c-{spec.grant}", gpus=spec.gpus,
                                               gpu_memory=spec.gpu_memory, state="running")
             return protocol.Reply(ok=True, result=report.model_dump())
@@ -256,17 +286,61 @@ class ScriptedAgent:
             box = self.engine.get(message.grant)
             if box is None:
                 return protocol.Reply(ok=False, error=protocol.ErrorBody(code="not_found", message="no such grant"))
-            box.gpu_memory = message.gpu_memory
+            box.gpu_memory, box.limit = message.gpu_memory, message.gpu_memory_limit
             return protocol.Reply(ok=True)
         raise AssertionError(f"unexpected request {message!r}")
 
     def exit(self, grant: str, code: int) -> None:
         """A container ends by itself; its agent reports the exit."""
+        self.end(grant, "exited", code)
+
+    def end(self, grant: str, state: str, code: int | None, reason: str | None = None) -> None:
+        """A container ends (by itself, or killed by its agent for ``reason``); its agent reports it."""
         box = self.engine[grant]
-        box.state, box.exit_code, box.ended_at = "exited", code, self.manager.cluster.clock.monotonic()
-        report = protocol.ContainerReport(grant=grant, container_id=f"c-{grant}", gpus=box.gpus,
-                                          gpu_memory=box.gpu_memory, state="exited", exit_code=code)
+        box.state, box.exit_code, box.ended_at = state, code, self.manager.cluster.clock.monotonic()
+        box.reason, box.used = reason, 0
+        report = protocol.ContainerReport(grant=grant, container_id=f"c-{grant}", gpus=box.gpus, reason=reason,
+                                          gpu_memory=box.gpu_memory, state=state, exit_code=code)
         self._say(protocol.ContainerEvent(node=self.name, container=report))
+
+
+def protect(engine: dict[str, Box], gpus: list[protocol.GpuInfo]) -> list[str]:
+    """The grants an agent's protection of granted bytes stops after a sample of ``engine``: per GPU, bursters in
+    :func:`gpumgr.agent.bursts.bursters`' order while its ``max(use, request)`` sum passes its total."""
+    live = {g: b for g, b in engine.items() if b.state == "running"}
+    managed = {g: Managed(g, f"c-{g}", g, b.gpus, b.gpu_memory, gpu_memory_limit=b.limit) for g, b in live.items()}
+    sample = Sample([], usage={g: {u: b.used for u in b.gpus} for g, b in live.items()})
+    stopped: list[str] = []
+    for gpu in gpus:
+        spoken = sum(max(b.used, b.gpu_memory) for g, b in live.items() if gpu.uuid in b.gpus and g not in stopped)
+        for victim, used in bursters(gpu.uuid, sample, managed, set(stopped)):
+            if spoken <= gpu.memory_total:
+                break
+            stopped.append(victim.grant)
+            spoken -= max(used, victim.gpu_memory)
+    return stopped
+
+
+def overbooked(ledger: Any, engine: dict[str, Box], node: str, uuids: list[str]) -> list[str]:
+    """After a sample: GPUs whose map reserves, with what bursters use above their grants, more than they have.
+
+    Only GPUs whose every holder runs in the engine at the figure the map holds are judged: a grant whose
+    container the node has not created yet is one its agent cannot protect until it does.
+    """
+    found = []
+    with ledger.lock:
+        for uuid in uuids:
+            gpu = ledger.gpus.get(uuid)
+            if gpu is None or gpu.node != node:
+                continue
+            records = [ledger.records[c] for c in gpu.holders]
+            if any((box := engine.get(r.id)) is None or box.state != "running" or box.gpu_memory != r.held
+                   for r in records):
+                continue
+            if gpu.reserved + gpu.burst > gpu.total - gpu.headroom:
+                found.append(f"GPU {uuid} reserves {gpu.reserved} and bursters use {gpu.burst} more after a sample: "
+                             f"past its {gpu.total - gpu.headroom}")
+    return found
 
 
 def refusal(code: str = "runtime_failed") -> protocol.Reply:
@@ -286,7 +360,8 @@ def link_error() -> Exception:
 def engine_violations(manager: Any, agents: list[ScriptedAgent]) -> list[str]:
     """The invariant (``tests/invariant.py``) over the model and these scripted engines."""
     engines = {a.name: {g: (b.state, b.gpu_memory) for g, b in a.engine.items()} for a in agents}
-    return model_violations(manager, engines) + share_violations(manager, agents)
+    return model_violations(manager, engines) + share_violations(manager, agents) + [
+        v for a in agents for v in a.after_sample]
 
 
 def share_violations(manager: Any, agents: list[ScriptedAgent]) -> list[str]:

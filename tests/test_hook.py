@@ -176,3 +176,28 @@ def _recv_as_nobody(path: str) -> bytes:
         result = pipe.read()
     assert result.startswith(b"ok:"), result
     return result[3:]
+
+
+@pytest.mark.docker
+def test_a_task_asks_for_a_burst_limit_in_its_configuration(docker_agent, docker_client, test_image):
+    """``GPUMGR_REQUEST_MEMORY_LIMIT`` (``docker gpu service create --gpu-memory-limit``) reaches the grant; one
+    below the request is refused."""
+    from gpumgr.plugin.hook import Refused, ask_agent
+
+    def task(limit: str):
+        return docker_client.containers.create(test_image, ["true"], network_mode="none", labels={
+            "gpumgr.node": docker_agent.node}, environment={"GPUMGR_REQUEST_MEMORY": "4GiB",
+                                                            "GPUMGR_REQUEST_MEMORY_LIMIT": limit})
+
+    burstable, below = task("12GiB"), task("2GiB")
+    try:
+        grant = ask_agent(_reserve(burstable.id, 1), docker_agent.hook_socket)
+        env = grant["env"]  # what the hook writes into the task's environment
+        assert (env["GPUMGR_GPU_MEMORY"], env["GPUMGR_GPU_MEMORY_LIMIT"]) == (str(4 << 30), str(12 << 30))
+        record = docker_agent.manager.get(f"/v1/containers/{grant['grant']}").json()
+        assert (record["gpu_memory"], record["gpu_memory_limit"]) == (4 << 30, 12 << 30)
+        with pytest.raises(Refused, match="below gpu_memory"):
+            ask_agent(_reserve(below.id, 1), docker_agent.hook_socket)
+    finally:
+        burstable.remove(force=True)
+        below.remove(force=True)

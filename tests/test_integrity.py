@@ -17,9 +17,9 @@ import time
 import pytest
 
 from gpumgr.agent import procmap
-from gpumgr.agent.agent import build_runtime
 from gpumgr.agent.enforcer import REASON_EXCEEDED, Enforcer, EnforcerSettings
 from gpumgr.agent.gpus.simgpu import SimSource, parse_sim_spec
+from gpumgr.agent.runtimes.choose import build_runtime
 from gpumgr.agent.runtimes.process_runtime import ProcessRuntime
 from gpumgr.manager.model.cluster import Cluster, PlacementSpec
 from gpumgr.wire import defaults, protocol

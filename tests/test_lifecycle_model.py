@@ -1,10 +1,11 @@
 """The real manager against scripted agents that delay, drop, repeat and reorder replies, on a logical clock.
 
-Rules: POST (queued or not, 1 to 4 GPUs), POST of a gang (2 or 3 members, queued or not), DELETE (any
+Rules: POST (queued or not, 1 to 4 GPUs, burstable or not), POST of a gang (2 or 3 members, queued or not), DELETE (any
 record, twice as likely as not), PATCH, the fate of
 each request in flight (answered, refused, lost after it was applied, dropped before, answered again
-late), node down and up, reconnects, agent restarts, forgetting a node, containers exiting, sweeps and
-dispatches. After every step: the model's invariant (:meth:`Cluster.check`), the engines' truth
+late), node down and up, reconnects, agent restarts, forgetting a node, containers exiting, containers
+using more or less (bursters above their grants: requests reclaim them, the agent's protection stops them),
+sweeps and dispatches. After every step: the model's invariant (:meth:`Cluster.check`), the engines' truth
 (no container alive on a node on the map without its bytes held), and no gang partly placed. The number of examples is
 ``GPUMGR_MODEL_EXAMPLES`` (500 in CI); ``bench/lifecycle_model.py`` runs it far longer.
 """
@@ -40,7 +41,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.clock = LogicalClock()
         self.link = HeldLink(self.clock)
         config = ManagerSettings(state_dir=self.folder, heartbeat_interval=1.0, heartbeat_liveness=3,
-                                 create_timeout=10.0, remove_timeout=6.0, forget_after=600.0)
+                                 create_timeout=10.0, remove_timeout=6.0, forget_after=600.0, burst_min_runtime=1.0)
         self.manager = Manager(config, link=self.link, clock=self.clock)
         counter = iter(range(1, 1 << 30))
         self.manager.cluster.new_id = lambda: f"r{next(counter):06d}"  # replays draw the same ids
@@ -66,10 +67,11 @@ class LifecycleMachine(RuleBasedStateMachine):
     # --- the API -------------------------------------------------------------------------------
     @rule(memory=st.integers(1, 8), count=st.sampled_from([1, 1, 1, 2, 3, 4]), queue=st.booleans(),
           priority=st.integers(0, 3),
-          preemptible=st.booleans())
-    def post(self, memory: int, count: int, queue: bool, priority: int, preemptible: bool) -> None:
+          preemptible=st.booleans(), burst=st.sampled_from([0, 0, 2, 8]))
+    def post(self, memory: int, count: int, queue: bool, priority: int, preemptible: bool, burst: int) -> None:
         spec = PlacementSpec(memory=memory * GiB // 2, count=count, placement="spread", image="img", command=[],
-                             priority=priority, preemptible=preemptible)
+                             priority=priority, preemptible=preemptible,
+                             memory_limit=(memory + burst) * GiB // 2 if burst else 0)
         try:
             record, commands = self.manager.cluster.submit(spec, queue=queue)
         except GpumgrError:
@@ -205,6 +207,20 @@ class LifecycleMachine(RuleBasedStateMachine):
         agent.restart()
         agent.up = False
         agent._join()
+
+    @rule(data=st.data(), quarters=st.integers(0, 4), beat=st.booleans())
+    def usage_changes(self, data: st.DataObject, quarters: int, beat: bool) -> None:
+        """A running container (a burster, where one runs) uses another share of its limit, reported at the next
+        heartbeat (at once with ``beat``); requests then find those bytes taken, or reclaim them."""
+        agent = data.draw(st.sampled_from(self.agents), "node")
+        running = [g for g, b in agent.engine.items() if b.state == "running"]
+        bursters = [g for g in running if agent.engine[g].limit > agent.engine[g].gpu_memory]
+        if agent.up and running:
+            grant = data.draw(st.sampled_from(bursters or running), "container")
+            box = agent.engine[grant]
+            agent.burst(grant, (box.limit or box.gpu_memory) * quarters // 4)
+            if beat:
+                agent.heartbeat()
 
     @rule(data=st.data(), code=st.integers(0, 2))
     def container_exits(self, data: st.DataObject, code: int) -> None:

@@ -179,6 +179,13 @@ def test_flags_become_the_request() -> None:
     assert body["log_config"] == {"type": "local", "config": {"max-size": "1m"}} and body["auto_remove"] is True
 
 
+def test_a_burst_limit_becomes_the_requests_gpu_memory_limit() -> None:
+    parse = run_flags.parser(PluginError).parse_args
+    body = run_flags.build_request(parse(["--gpu-memory", "4GiB", "--gpu-memory-limit", "12GiB", "img"]), PluginError)
+    assert (body["gpu_memory"], body["gpu_memory_limit"]) == (4 * GiB, 12 * GiB)
+    assert "gpu_memory_limit" not in run_flags.build_request(parse(["--gpu-memory", "4GiB", "img"]), PluginError)
+
+
 def test_a_bare_env_name_takes_its_value_from_here(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("FROM_HERE", "yes")
     args = run_flags.parser(PluginError).parse_args(["--gpu-memory", "1GiB", "-e", "FROM_HERE", "-e", "UNSET_NAME_X",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumgr.plugin import stack
+from gpumgr.plugin import services, stack
 from gpumgr.plugin.docker_gpu import PluginError
 from tests.images import busybox_tar
 from tests.procs import ROOT, AgentProc, ManagerProc, wait_for
@@ -100,6 +100,25 @@ def test_a_block_becomes_service_create_options_over_the_defaults():
                          ({"priority": True}, "a number or a string")):
         with pytest.raises(PluginError, match=words):
             stack.grant_request("t", {}, block)
+
+
+def test_a_burstable_block_asks_the_hook_for_its_limit():
+    """``gpu_memory_limit`` becomes ``--gpu-memory-limit``, which the task's environment carries to the hook."""
+    argv = stack.grant_request("t", {}, {"gpu_memory": "4GiB", "gpu_memory_limit": "12GiB"})
+    assert argv == ["--gpu-memory", "4GiB", "--gpu-memory-limit", "12GiB"]
+    ours, _ = services._take_options(argv, services.SERVICE_OPTIONS)
+    extra = services.grant_args(OneGpu(), ours)
+    assert {f"--env=GPUMGR_REQUEST_MEMORY_LIMIT={12 * GiB}", f"--env=GPUMGR_REQUEST_MEMORY={4 * GiB}"} <= set(extra)
+    with pytest.raises(PluginError, match="at least --gpu-memory"):
+        services.grant_args(OneGpu(), {"--gpu-memory": "4GiB", "--gpu-memory-limit": "2GiB"})
+
+
+class OneGpu:
+    """A manager whose map is one ready node with one 24 GiB GPU (what ``grant_args`` checks a request against)."""
+
+    def call(self, method: str, path: str, **_: object) -> dict:
+        return {"nodes": [{"name": "n", "state": "ready", "labels": {},
+                           "gpus": [{"uuid": "g", "index": 0, "name": "Sim", "memory_total": 24 * GiB}]}]}
 
 
 def test_x_keys_are_stripped_where_compose_allows_them_and_nothing_else():

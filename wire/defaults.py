@@ -165,6 +165,8 @@ DISPATCH_TICK = HEARTBEAT_INTERVAL / 2
 PREEMPT_RETRY_MIN = STOP_GRACE
 PREEMPT_RETRY_MAX = 2 * REMOVE_TIMEOUT
 PREEMPT_RETRIES = 5
+#: Seconds a burster runs before the manager may reclaim its burst for a request (``burst_min_runtime``).
+BURST_MIN_RUNTIME = 30.0
 #: Threads that start queued containers on their nodes once placed (no REST caller waits for those).
 DISPATCH_WORKERS = 8
 #: The queue journal is rewritten whole once it holds this many lines more than twice the queue.

@@ -33,6 +33,8 @@ class Label(StrEnum):
     PRIORITY = "gpumgr.priority"
     PREEMPTIBLE = "gpumgr.preemptible"
     COMPUTE_SHARE = "gpumgr.compute_share"
+    #: a burstable grant's limit in bytes per GPU (absent: the grant is its limit)
+    MEMORY_LIMIT = "gpumgr.memory_limit"
 
 
 class Env(StrEnum):
@@ -41,6 +43,7 @@ class Env(StrEnum):
     # set in a managed container: what it was granted (informative; never read back as its grant)
     GRANT = "GPUMGR_GRANT"
     GPU_MEMORY = "GPUMGR_GPU_MEMORY"
+    GPU_MEMORY_LIMIT = "GPUMGR_GPU_MEMORY_LIMIT"
     NODE = "GPUMGR_NODE"
     ON_OVERRUN = "GPUMGR_ON_OVERRUN"
     NVIDIA_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
@@ -53,6 +56,7 @@ class Env(StrEnum):
     SIM_USAGE_FILE = "GPUMGR_SIM_USAGE_FILE"
     # set by `docker gpu` on a Swarm task: what the runtime hook asks the agent for
     REQUEST_MEMORY = "GPUMGR_REQUEST_MEMORY"
+    REQUEST_MEMORY_LIMIT = "GPUMGR_REQUEST_MEMORY_LIMIT"
     REQUEST_GPUS = "GPUMGR_REQUEST_GPUS"
     REQUEST_ON_OVERRUN = "GPUMGR_REQUEST_ON_OVERRUN"
     REQUEST_PRIORITY = "GPUMGR_REQUEST_PRIORITY"
@@ -99,7 +103,8 @@ def flag_set(value: str | None) -> bool:
 
 #: Environment names gpumgr sets or reads to grant memory: a REST request may not set them itself
 #: (a container asking the runtime hook for a second grant, or claiming one, is refused at the API).
-RESERVED_ENV = frozenset({Env.GRANT, Env.GPU_MEMORY, Env.NODE, Env.ON_OVERRUN, Env.REQUEST_MEMORY,
+RESERVED_ENV = frozenset({Env.GRANT, Env.GPU_MEMORY, Env.GPU_MEMORY_LIMIT, Env.REQUEST_MEMORY_LIMIT, Env.NODE,
+                          Env.ON_OVERRUN, Env.REQUEST_MEMORY,
                           Env.REQUEST_GPUS, Env.REQUEST_ON_OVERRUN, Env.REQUEST_PRIORITY, Env.REQUEST_PREEMPTIBLE,
                           Env.REQUEST_QUEUE, Env.REQUEST_CONSTRAINTS, Env.TASK, Env.TASK_NAME, Env.SERVICE, Env.SLOT,
                           Env.REQUEST_COMPUTE_SHARE, Env.MPS_THREAD_PERCENTAGE, Env.MPS_MEM_LIMIT,
@@ -114,6 +119,16 @@ QUEUED, CREATING, RUNNING, EXITED, KILLED, FAILED, REMOVED, PREEMPTED = (
     State.PREEMPTED)
 #: What an agent reports for a container it is stopping on request: still running, still holding its grant.
 REMOVING = "removing"
+
+
+#: Why a burster was stopped to give bytes back to a grant (by the manager's reclaim or its node's protection):
+#: it ends ``preempted`` with this reason.
+BURST_RECLAIMED = "burst_reclaimed"
+
+
+def burst_limit(gpu_memory: int, gpu_memory_limit: int) -> int:
+    """What a grant of ``gpu_memory`` with ``gpu_memory_limit`` may use per GPU (0: no burst, the grant itself)."""
+    return gpu_memory_limit if gpu_memory_limit > gpu_memory else gpu_memory
 
 
 class EventType(StrEnum):

@@ -83,6 +83,8 @@ class ContainerStatus(_Model):
     peak: int = Field(default=0, ge=0)
     #: the grant (bytes per GPU) its agent enforces now; 0 from an agent that does not say
     gpu_memory: int = Field(default=0, ge=0)
+    #: the burst limit (bytes per GPU) its agent kills above; 0: the grant itself (no burst)
+    gpu_memory_limit: int = Field(default=0, ge=0)
 
 
 class ContainerReport(ContainerStatus):
@@ -127,6 +129,8 @@ class ContainerSpec(_Model):
     labels: dict[str, str] = Field(default_factory=dict)
     gpus: list[str] = Field(min_length=1)
     gpu_memory: int = Field(gt=0)
+    #: what it may use per GPU while the GPU has room (a burstable grant); 0: ``gpu_memory``, no burst
+    gpu_memory_limit: int = Field(default=0, ge=0)
     on_overrun: str = "kill"
     created_at: float = 0.0
     #: who it belongs to, its priority and whether it may be preempted: kept on the container, so a
@@ -197,6 +201,8 @@ class Registered(Message):
 
     TYPE: ClassVar[str] = "registered"
     heartbeat_interval: float = Field(gt=0)
+    #: bytes per GPU the manager keeps back from grants: the agent stops bursters before they eat into it
+    headroom: int = Field(default=0, ge=0)
 
 
 class Heartbeat(Message):
@@ -238,12 +244,14 @@ class Remove(Message):
 class Resize(Message):
     """Manager → agent: the container holding ``grant`` is now granted ``gpu_memory`` on each GPU; answered by a Reply.
 
-    The enforcer judges it against the new figure from its next sample on.
+    The enforcer judges it against the new figures (``gpu_memory_limit`` for a burster) from its next sample on.
     """
 
     TYPE: ClassVar[str] = "resize"
     grant: str
     gpu_memory: int = Field(gt=0)
+    #: the burst limit from now on (0: ``gpu_memory``, no burst)
+    gpu_memory_limit: int = Field(default=0, ge=0)
     #: as in :class:`Create`
     op: str = Field(default="", max_length=64)
 
@@ -324,6 +332,8 @@ class Reserve(Message):
     TYPE: ClassVar[str] = "reserve"
     container_id: str = Field(min_length=1, max_length=128)
     gpu_memory: int = Field(gt=0)
+    #: the burst limit per GPU (0: ``gpu_memory``, no burst)
+    gpu_memory_limit: int = Field(default=0, ge=0)
     gpus: int = Field(default=1, ge=1, le=defaults.MAX_GPUS_PER_REQUEST)
     name: str = Field(default="", max_length=256)
     image: str = Field(default="", max_length=512)

@@ -24,6 +24,7 @@ from gpumgr.agent.runtimes.docker_run import create_options, read_logs
 from gpumgr.agent.runtimes.hook_limits import HookLimits
 from gpumgr.agent.runtimes.image_record import requested, task_constraints
 from gpumgr.agent.runtimes.logfollow import Followers
+from gpumgr.agent.runtimes.resized_file import read_resized
 from gpumgr.agent.runtimes.runtime import (
     ChangeCallback,
     Managed,
@@ -269,7 +270,9 @@ class DockerRuntime(EngineEvents):
         try:
             memory, gpus = parse_bytes(env[Env.REQUEST_MEMORY]), int(env.get(Env.REQUEST_GPUS, "1"))
             labels = {label: env[var] for var, label in TASK_LABELS.items() if env.get(var)}
+            limit = parse_bytes(env[Env.REQUEST_MEMORY_LIMIT]) if env.get(Env.REQUEST_MEMORY_LIMIT) else 0
             reserve = Reserve(container_id=summary["Id"], gpu_memory=memory, gpus=gpus, labels=labels,
+                              gpu_memory_limit=limit,
                               name=env.get(Env.TASK_NAME) or str(attrs.get("Name", "")).lstrip("/"),
                               image=str(attrs["Config"].get("Image", "")),
                               on_overrun=env.get(Env.REQUEST_ON_OVERRUN) or None,
@@ -314,7 +317,8 @@ class DockerRuntime(EngineEvents):
                           on_overrun=str(grant.get("on_overrun") or "kill"), created_at=time.time(),
                           state=State.CREATING, hook=True, tenant=str(grant.get("tenant") or ""),
                           priority=int(grant.get("priority") or 0), preemptible=bool(grant.get("preemptible")),
-                          compute_share=int(grant.get("compute_share") or 0))
+                          compute_share=int(grant.get("compute_share") or 0),
+                          gpu_memory_limit=int(grant.get("gpu_memory_limit") or 0))
         self._track(managed)
         self._write_ledger()
         return managed
@@ -370,7 +374,7 @@ class DockerRuntime(EngineEvents):
         but has no trustworthy record of its grant is refused, and the manager is told why.
         """
         self._adopt_tasks()
-        resized = self._read_resized()
+        resized, limits = read_resized(self._resized_file)
         mine: dict[str, str | list[str] | bool] = {"label": [Label.GRANT, f"{Label.NODE}={self.node}"]}
         for container in self.client.containers.list(all=True, filters=mine):
             problem = _label_problem(container.labels)
@@ -387,6 +391,7 @@ class DockerRuntime(EngineEvents):
             managed.pid = state.get("Pid") or None
             if managed.grant in resized:
                 managed.gpu_memory = self._resized_grants[managed.grant] = resized[managed.grant]
+                managed.gpu_memory_limit = limits.get(managed.grant, managed.gpu_memory_limit)
             self._track(managed)
             log.info("re-adopted %s container %s (grant %s)", managed.state, container.short_id, managed.grant)
 
@@ -428,16 +433,6 @@ class DockerRuntime(EngineEvents):
         else:
             self._write_resized(managed)
 
-    def _read_resized(self) -> dict[str, int]:
-        if self._resized_file is None or not self._resized_file.exists():
-            return {}
-        try:
-            grants = security.read_private(self._resized_file).get("grants", {})
-            return {str(k): int(v) for k, v in grants.items() if int(v) > 0}
-        except (ValueError, TypeError, AttributeError) as exc:
-            log.warning("ignoring the resized grants file: %s", exc)
-            return {}
-
     def _write_resized(self, managed: Managed) -> None:
         if self._resized_file is None:
             return
@@ -446,7 +441,8 @@ class DockerRuntime(EngineEvents):
             self._resized_grants = {g: tracked[g].gpu_memory for g in self._resized_grants if g in tracked}
             self._resized_grants.update((m.grant, m.gpu_memory) for m in [managed] if not m.hook)
             grants = dict(self._resized_grants)
-        security.write_private(self._resized_file, {"grants": grants})
+            limits = {g: (managed if g == managed.grant else tracked[g]).gpu_memory_limit for g in grants}
+        security.write_private(self._resized_file, {"grants": grants, "limits": limits})
 
     def _write_ledger(self) -> None:
         if self._ledger is None:
@@ -454,7 +450,8 @@ class DockerRuntime(EngineEvents):
         tasks = [{"grant": m.grant, "container_id": m.container_id, "name": m.name, "gpus": m.gpus,
                   "gpu_memory": m.gpu_memory, "image": m.image, "labels": m.labels, "on_overrun": m.on_overrun,
                   "created_at": m.created_at, "tenant": m.tenant, "priority": m.priority,
-                  "preemptible": m.preemptible, "compute_share": m.compute_share}
+                  "preemptible": m.preemptible, "compute_share": m.compute_share,
+                  "gpu_memory_limit": m.gpu_memory_limit}
                  for m in self.managed() if m.hook]
         security.write_private(self._ledger, {"tasks": tasks})
 

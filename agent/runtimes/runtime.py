@@ -19,7 +19,7 @@ from typing import Any
 from gpumgr.agent.runtimes import mps as mps_caps
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import InvalidRequest, NotFound
-from gpumgr.wire.names import LABEL_PREFIX, REMOVING, Env, Label, State
+from gpumgr.wire.names import LABEL_PREFIX, REMOVING, Env, Label, State, burst_limit
 from gpumgr.wire.protocol import ContainerReport, ContainerSpec, ContainerStatus, RefusedAdoption
 
 
@@ -52,6 +52,13 @@ class Managed:
     compute_share: int = 0
     #: the highest usage, summed over its GPUs, any sample has seen
     peak: int = 0
+    #: a burstable grant's limit per GPU (0: ``gpu_memory`` is its limit)
+    gpu_memory_limit: int = 0
+
+    @property
+    def limit(self) -> int:
+        """What it may use per GPU before the enforcer acts: its burst limit, or its grant."""
+        return burst_limit(self.gpu_memory, self.gpu_memory_limit)
 
     def report(self, usage: dict[str, int] | None = None, *, compact: bool = False) -> ContainerReport:
         """This container as the wire protocol carries it; ``compact`` leaves out its command and user labels."""
@@ -63,13 +70,15 @@ class Managed:
             on_overrun=self.on_overrun, created_at=self.created_at, hook=self.hook, finished_at=self.finished_at,
             tenant=self.tenant, priority=self.priority, preemptible=self.preemptible, peak=self.peak,
             compute_share=self.compute_share,
+            gpu_memory_limit=self.gpu_memory_limit,
         )
 
     def status(self, usage: dict[str, int] | None = None) -> ContainerStatus:
         """What a heartbeat carries of this container: the grant id and its figures."""
         return ContainerStatus(grant=self.grant, container_id=self.container_id, state=self.state,
                                exit_code=self.exit_code, reason=self.reason, usage=usage or {},
-                               finished_at=self.finished_at, peak=self.peak, gpu_memory=self.gpu_memory)
+                               finished_at=self.finished_at, peak=self.peak, gpu_memory=self.gpu_memory,
+                               gpu_memory_limit=self.gpu_memory_limit)
 
 
 ChangeCallback = Callable[[Managed], None]
@@ -79,14 +88,17 @@ def grant_env(spec: ContainerSpec, mps: bool = False) -> dict[str, str]:
     """The variables that pin a container to its GPUs and tell it its grant.
 
     With ``mps`` (the host runs the MPS control daemon) the CUDA driver itself also caps each
-    visible device at the grant, through ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``; the enforcer's kill
-    stays the backstop. A ``compute_share`` becomes ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` there
-    (:mod:`gpumgr.agent.runtimes.mps`); without MPS a share means nothing to the driver and is not passed.
+    visible device at the limit (a burster's ``gpu_memory_limit``, else the grant), through
+    ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``. The cap is per client process, so several processes of one
+    container can pass it together: the enforcer's kill stays the fence. A ``compute_share`` becomes
+    ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` there (:mod:`gpumgr.agent.runtimes.mps`); without MPS a share
+    means nothing to the driver and is not passed.
     """
+    limit = burst_limit(spec.gpu_memory, spec.gpu_memory_limit)
     env = {**spec.env, Env.NVIDIA_VISIBLE_DEVICES: ",".join(spec.gpus), Env.GPU_MEMORY: str(spec.gpu_memory),
-           Env.GRANT: spec.grant}
+           Env.GPU_MEMORY_LIMIT: str(limit), Env.GRANT: spec.grant}
     if mps:
-        env.update(mps_caps.memory_env(spec.gpu_memory, len(spec.gpus)))
+        env.update(mps_caps.memory_env(limit, len(spec.gpus)))
         env.update(mps_caps.share_env(spec.compute_share))
     return env
 
@@ -94,7 +106,7 @@ def grant_env(spec: ContainerSpec, mps: bool = False) -> dict[str, str]:
 def task_env(managed: Managed, node: str, mps: bool = False) -> dict[str, str]:
     """What the runtime hook writes into a task container's environment: its pinning and its grant."""
     spec = ContainerSpec(grant=managed.grant, name=managed.name, gpus=managed.gpus, gpu_memory=managed.gpu_memory,
-                         compute_share=managed.compute_share)
+                         compute_share=managed.compute_share, gpu_memory_limit=managed.gpu_memory_limit)
     return {**grant_env(spec, mps), Env.NODE: node, Env.ON_OVERRUN: managed.on_overrun}
 
 
@@ -141,11 +153,12 @@ class Runtime:
                 if managed is not None:
                     managed.peak = max(managed.peak, sum(per_gpu.values()))
 
-    def resize(self, grant: str, gpu_memory: int) -> Managed:
-        """Grant ``gpu_memory`` per GPU to the container holding ``grant`` from now on; raises NotFound."""
+    def resize(self, grant: str, gpu_memory: int, gpu_memory_limit: int = 0) -> Managed:
+        """Grant ``gpu_memory`` per GPU (up to ``gpu_memory_limit`` while the GPU has room) to the container holding
+        ``grant`` from now on; raises NotFound."""
         managed = self.get(grant)
         with self._lock:
-            managed.gpu_memory = gpu_memory
+            managed.gpu_memory, managed.gpu_memory_limit = gpu_memory, gpu_memory_limit
         self._resized(managed)
         return managed
 
@@ -229,6 +242,7 @@ def grant_labels(spec: ContainerSpec) -> dict[str, str]:
         Label.USER_LABELS: json.dumps(sorted(spec.labels)), Label.TENANT: spec.tenant,
         Label.PRIORITY: str(spec.priority), Label.PREEMPTIBLE: "1" if spec.preemptible else "0",
         Label.COMPUTE_SHARE: str(spec.compute_share),
+        **({Label.MEMORY_LIMIT: str(spec.gpu_memory_limit)} if spec.gpu_memory_limit > spec.gpu_memory else {}),
     }
 
 
@@ -244,6 +258,7 @@ def managed_from_labels(container_id: str, labels: dict[str, str], image: str, s
         created_at=float(labels.get(Label.CREATED_AT, "0")), state=state, tenant=labels.get(Label.TENANT, ""),
         priority=_int(labels.get(Label.PRIORITY, "0")), preemptible=labels.get(Label.PREEMPTIBLE) == "1",
         compute_share=share_label(labels.get(Label.COMPUTE_SHARE, "0")),
+        gpu_memory_limit=max(0, _int(labels.get(Label.MEMORY_LIMIT, "0"))),
     )
 
 

@@ -112,6 +112,8 @@ class ContainerRecord(_Shape):
         description="the operation in flight on it (at most one), or null")
     gpu_memory_held: int = Field(description="bytes per GPU the map reserves for it now: `gpu_memory`, or more while "
                                  "its node still enforces more (a resize not yet confirmed); 0 once it ended")
+    gpu_memory_limit: int = Field(description="a burstable grant's limit: what it may use per GPU while the GPU has "
+                                  "room (its node kills above it); `gpu_memory` when it has no burst")
     detail: dict[str, Any] = Field(default_factory=dict, description="present when there is something to say, "
                                    "e.g. the overrun that killed it")
 
@@ -147,6 +149,8 @@ class GpuView(_Shape):
                                           "request may take it")
     mps: bool = Field(description="its node runs MPS: compute shares may be placed here")
     compute_shares: int = Field(description="percent of its SMs its live grants' compute shares take (at most 100)")
+    memory_burst: int = Field(description="what containers use here above their grants (bursters, from their "
+                              "node's last heartbeat): taken, so no new grant is placed into it")
     compute_capability: str | None = Field(description="e.g. 9.0; null when its node cannot tell")
     healthy: bool = Field(description="false: it takes no new grants (its running containers are left alone)")
     health: str | None = Field(description="why it is unhealthy (a fatal Xid, retired pages, ECC errors, heat)")

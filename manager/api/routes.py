@@ -28,6 +28,7 @@ from gpumgr.manager.api.lookup import resolve
 from gpumgr.manager.api.nodes_cache import NodesCache
 from gpumgr.manager.control.idempotency import HEADER, read_key
 from gpumgr.manager.leading import NotKnownYet
+from gpumgr.manager.model.bursts.limits import limit_of
 from gpumgr.manager.model.records import Container, PlacementSpec
 from gpumgr.manager.service import Manager
 from gpumgr.manager.tenancy.policy import admit
@@ -69,6 +70,10 @@ def _memory(value: Any) -> int:
         return parse_bytes(value)
     except ValueError as exc:
         raise ValueError(str(exc)) from None
+
+
+def _maybe_memory(value: Any) -> int | None:
+    return None if value is None else _memory(value)
 
 
 def _constraints(value: list[str]) -> list[str]:
@@ -141,6 +146,9 @@ class CreateContainer(RunSpec):
 
     gpu_memory: Annotated[int, BeforeValidator(_memory), WithJsonSchema(MEMORY_SCHEMA)] = Field(
         description="GPU memory granted on each GPU: bytes, or a size such as '512MiB', '8GiB', '8G'")
+    gpu_memory_limit: Annotated[int | None, BeforeValidator(_maybe_memory), WithJsonSchema(MEMORY_SCHEMA)] = Field(
+        None, description="a burstable grant: what it may use on each GPU while the GPU has room (at least "
+        "gpu_memory; absent: gpu_memory, no burst); bursts are reclaimed, by stopping it, when a request needs them")
     image: StrictStr | None = Field(None, min_length=1, max_length=512)
     command: Annotated[list[ArgStr], BeforeValidator(_command), WithJsonSchema(COMMAND_SCHEMA)] = Field(
         default_factory=list, max_length=MAX_COMMAND_WORDS, description="a list of words, or one string split "
@@ -180,8 +188,10 @@ class ResizeContainer(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    gpu_memory: Annotated[int, BeforeValidator(_memory), WithJsonSchema(MEMORY_SCHEMA)] = Field(
-        description="the new grant on each of its GPUs: bytes, or a size such as '8GiB'")
+    gpu_memory: Annotated[int | None, BeforeValidator(_maybe_memory), WithJsonSchema(MEMORY_SCHEMA)] = Field(
+        None, description="the new grant on each of its GPUs: bytes, or a size such as '8GiB' (absent: kept)")
+    gpu_memory_limit: Annotated[int | None, BeforeValidator(_maybe_memory), WithJsonSchema(MEMORY_SCHEMA)] = Field(
+        None, description="the new burst limit on each of its GPUs, at least the grant (absent: kept)")
     force: StrictBool = Field(False, description="shrink below what the container uses now (its node then acts "
                               "on the overrun)")
 
@@ -238,6 +248,7 @@ def placement_of(body: CreateContainer) -> tuple[PlacementSpec, Tenant | None]:
         command=body.command, name=body.name, env=body.env, labels=body.labels, node=body.node,
         on_overrun=body.on_overrun or settings.on_overrun, priority=priority, preemptible=body.preemptible,
         run=run.given(), constraints=body.constraints, compute_share=body.compute_share or 0,
+        memory_limit=limit_of(body.gpu_memory, body.gpu_memory_limit),
     )
     return spec, tenant
 
@@ -270,7 +281,10 @@ def resize_container(cid: str) -> Response:
     """Grow or shrink a running (or queued) container's grant in place; 200 with the new record."""
     found = lookup(cid).id  # another tenant's id is a 404 before the body is even read
     body = _validated(ResizeContainer)
-    return jsonify(manager().resize(found, body.gpu_memory, force=body.force, principal=principal()))
+    if body.gpu_memory is None and body.gpu_memory_limit is None:
+        raise InvalidRequest("send gpu_memory, gpu_memory_limit or both")
+    return jsonify(manager().resize(found, body.gpu_memory, force=body.force, principal=principal(),
+                                    limit=body.gpu_memory_limit))
 
 
 @bp.delete("/containers/<cid>")

@@ -127,7 +127,7 @@ class Cluster(Terms, MapReads, GangCalls):
 
     def set_timeouts(self, create: float, remove: float) -> None:
         """How long nodes have to answer a create, and a remove or resize."""
-        self.create_timeout = create
+        self.create_timeout = self.dispatcher.bursts.wait_limit = create
         self.reconciler.remove_timeout = self.resizer.timeout = remove
 
     # --- nodes ---------------------------------------------------------------------------------
@@ -247,16 +247,19 @@ class Cluster(Terms, MapReads, GangCalls):
                 slots = place(self.ledger.index, request)
             except NoFit as exc:
                 self.dispatcher.check_could_fit(spec)  # never_fits, rather than "no room now", when it never will
-                raise no_share_room(exc, spec.compute_share) from None
+                if not self.dispatcher.bursts.holding():
+                    raise no_share_room(exc, spec.compute_share) from None
+                slots = []  # bursters hold bytes it may need: it waits below while they are reclaimed
             except NoAgents:
                 if any(n.ready and any(g.health for g in n.gpus) for n in self.ledger.nodes.values()):
                     # ready nodes, whose every GPU is unhealthy
                     raise NoFit("no GPU takes grants now: every GPU of the ready nodes is unhealthy "
                                 "(GET /v1/nodes says why)") from None
                 raise
-            take_slots(record, slots)
-            self.life.place_new(record, None if spec.hook else self.create_timeout)
-            return record
+            if slots:
+                take_slots(record, slots)
+                self.life.place_new(record, None if spec.hook else self.create_timeout)
+                return record
         if queue and len(self.queue) >= self.queue_max:
             raise Conflict(f"the queue is full ({self.queue_max} requests wait); try again later", code="queue_full")
         if not queue and not self.ledger.index.by_node:
@@ -274,6 +277,8 @@ class Cluster(Terms, MapReads, GangCalls):
             self.life.forget(record)
             raise
         position = self.queue.position(record.id) or 1
+        if not queue and self.dispatcher.bursts.wait_for(record, self.dispatcher):
+            return record  # queued, unjournaled, while bursters are reclaimed for it: its caller waits to place it
         if not queue:
             self.life.forget(record)
             raise no_share_room(NoFit(self.life.why_waiting(spec.memory, spec.count, position - 1)
@@ -470,12 +475,14 @@ class Cluster(Terms, MapReads, GangCalls):
             self.life.move(record, State.REMOVED, "withdrawn from the queue before it was placed")
             return record
 
-    def begin_resize(self, cid: str, memory: int, *, force: bool = False,
-                     tenant: Tenant | None = None) -> tuple[Container, Command | None]:
-        """Check and start a resize of ``cid`` to ``memory`` per GPU: ``(record, command for its node)``."""
+    def begin_resize(self, cid: str, memory: int | None, *, force: bool = False, tenant: Tenant | None = None,
+                     limit: int | None = None) -> tuple[Container, Command | None]:
+        """Check and start a resize of ``cid`` to ``memory`` per GPU (None: kept) and its limit to ``limit``
+        (None: kept): ``(record, command for its node)``."""
         with self.lock:
             record = self._get(cid)
-            return record, self.resizer.begin(record, memory, force=force, tenant=tenant)
+            memory = record.gpu_memory if memory is None else memory
+            return record, self.resizer.begin(record, memory, force=force, tenant=tenant, limit=limit)
 
     def _get(self, cid: str) -> Container:
         record = self.ledger.records.get(cid)

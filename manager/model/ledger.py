@@ -27,6 +27,18 @@ log = logging.getLogger(__name__)
 CAPACITY_CACHED = 4096
 
 
+def burst_of(record: Container, uuid: str) -> int:
+    """``record``'s use of GPU ``uuid`` above what the map reserves for it there (0: none), from its node's last
+    heartbeat: a burster's burst (or an overrun about to be killed). No grant covers it, yet it is in use."""
+    used = record.usage.get(uuid, 0)
+    return used - record.held if used > record.held else 0
+
+
+def burst_on(gpu: Gpu, records: dict[str, Container]) -> int:
+    """The bytes ``gpu``'s holders use above their grants there, summed (``memory_burst`` on the map)."""
+    return sum(burst_of(records[c], gpu.uuid) for c in gpu.holders if c in records)
+
+
 class Wake(threading.Event):
     """The dispatcher's wake-up: setting it when already set costs no lock (it is set on every release)."""
 
@@ -98,6 +110,8 @@ class Ledger:
                 gpu.reserved -= record.held
                 gpu.compute_shares -= record.spec.compute_share
                 gpu.holders.discard(record.id)
+                if gpu.burst:  # its burst ends with it
+                    gpu.burst = burst_on(gpu, self.records)
                 self.index.update(gpu)
                 self.touched.add(gpu.node)
                 if gpu.gang_want:  # room held for a waiting gang grows as it frees
@@ -110,13 +124,15 @@ class Ledger:
         if not delta:
             return
         self.version += 1
+        record.held = held
         for uid in record.gpus:
             gpu = self.gpus.get(uid)
             if gpu is not None and record.id in gpu.holders:
                 gpu.reserved += delta
+                if gpu.burst or record.usage.get(uid, 0) > held:  # its use above its grant moved with the grant
+                    gpu.burst = burst_on(gpu, self.records)
                 self.index.update(gpu)
                 self.touched.add(gpu.node)
-        record.held = held
         if delta < 0:
             self.wake.set()
 
@@ -127,13 +143,25 @@ class Ledger:
         self._hold(gpu)
 
     def _hold(self, gpu: Gpu) -> None:
-        held = min(gpu.gang_want, max(0, gpu.total - gpu.headroom - gpu.unmanaged - gpu.reserved))
+        held = min(gpu.gang_want, max(0, gpu.total - gpu.headroom - gpu.unmanaged - gpu.reserved - gpu.burst))
         if gpu.gang_hold != held:
             if held < gpu.gang_hold:
                 self.wake.set()
             gpu.gang_hold = held
             self.index.update(gpu)
             self.touched.add(gpu.node)
+
+    def reburst(self, gpus: list[Gpu]) -> None:
+        """Count again the bytes bursters use above their grants on ``gpus`` (their node's heartbeat came)."""
+        for gpu in gpus:
+            burst = burst_on(gpu, self.records)
+            if burst != gpu.burst:
+                if burst < gpu.burst:
+                    self.wake.set()  # room freed: a queued request may fit now
+                gpu.burst = burst
+                self.version += 1
+                self.index.update(gpu)
+                self.touched.add(gpu.node)
 
     def room_for(self, record: Container, more: int) -> Gpu | None:
         """The first of ``record``'s GPUs without ``more`` free bytes, or None if all have them."""

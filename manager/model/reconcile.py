@@ -19,7 +19,7 @@ from gpumgr.manager.model.lifecycle import ENDED, Lifecycle
 from gpumgr.manager.model.records import Command, Container, Gpu, Node, OpKind, PlacementSpec
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import GpuConflict, OutcomeUnknown
-from gpumgr.wire.names import LIVE, REMOVING, RUNNING, EventType, State
+from gpumgr.wire.names import BURST_RECLAIMED, LIVE, REMOVING, RUNNING, EventType, State
 from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuSample, RefusedAdoption
 from gpumgr.wire.units import format_bytes
 
@@ -83,6 +83,7 @@ class Reconciler:
                            and r.state is State.CREATING and r.id not in reported]:
                 lost_with_agent(self.life, record, name, 2 * self.down_after)
         orphans, commands = self._reconcile(node, containers, whole=True)
+        self.ledger.reburst(node.gpus)
         self.life.intents.registered(name, {c.grant for c in containers}, set(self.ledger.records))
         return orphans, commands, restarted
 
@@ -119,7 +120,9 @@ class Reconciler:
         if any(s.state in LIVE and ((r := records.get(s.grant)) is None or r.state is State.QUEUED)
                for s in containers):
             return None  # a live grant we do not know (or hold queued): adopt it from the whole report
-        return self._reconcile(node, containers)
+        reconciled = self._reconcile(node, containers)
+        self.ledger.reburst(node.gpus)  # its containers' use above their grants is taken
+        return reconciled
 
     def _health_event(self, gpu: Gpu) -> None:
         """Say why ``gpu`` takes no new grants now, or that it takes them again."""
@@ -361,7 +364,7 @@ class Reconciler:
                              labels=dict(report.labels), node=node.name, on_overrun=report.on_overrun,
                              container_id=report.container_id, hook=report.hook, tenant=report.tenant or None,
                              priority=report.priority, preemptible=report.preemptible,
-                             compute_share=report.compute_share)
+                             compute_share=report.compute_share, memory_limit=report.gpu_memory_limit)
         record = Container(
             id=report.grant, name=report.name, node=node.name, gpus=list(report.gpus), gpu_memory=report.gpu_memory,
             spec=spec, state=State.CREATING if report.state == State.CREATING else State.RUNNING,
@@ -439,6 +442,8 @@ def end_of(report: ContainerStatus) -> tuple[State, str | None]:
     """How a container its node reports ended is recorded: ``exited`` needs an exit code, and one that ended with
     none seen never ran to an exit of its own (removed before it started: failed) or is gone from its engine
     (removed while its agent was away: removed)."""
+    if report.state == State.KILLED and report.reason == BURST_RECLAIMED:
+        return State.PREEMPTED, BURST_RECLAIMED  # its node stopped a burster to keep granted bytes free
     if report.state == State.KILLED or report.exit_code is not None:
         return (State.KILLED if report.state == State.KILLED else State.EXITED), report.reason
     if report.reason == "removed_before_start":

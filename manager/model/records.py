@@ -222,6 +222,11 @@ class Container:
         return self.spec.compute_share
 
     @property
+    def gpu_memory_limit(self) -> int:
+        """A burstable grant's limit per GPU (0: ``gpu_memory`` is its limit); the map reserves only the grant."""
+        return self.spec.memory_limit
+
+    @property
     def preempted_for(self) -> str | None:
         """The queued request it is being stopped for, while it is (or once it was) preempted."""
         value = self.detail.get("preempted_for")
@@ -246,6 +251,8 @@ class MetricsSnapshot:
 
     #: (node, uuid, index, model, total, used, reserved, unmanaged, free)
     gpus: list[tuple[str, str, int, str, int, int, int, int, int]] = field(default_factory=list)
+    #: (node, uuid, bytes bursters use above their grants there)
+    bursts: list[tuple[str, str, int]] = field(default_factory=list)
     #: (node, gpu uuid, grant id, name, tenant, granted bytes, used bytes): one per container per GPU
     containers: list[tuple[str, str, str, str, str, int, int]] = field(default_factory=list)
     #: (node, ready)
@@ -284,6 +291,8 @@ class PlacementSpec:
     constraints: list[str] = field(default_factory=list)
     #: its percentage of each GPU's SMs under MPS (1-100; 0: no share), validated at the edge
     compute_share: int = 0
+    #: a burstable grant's limit per GPU (0: ``memory``, no burst)
+    memory_limit: int = 0
 
 
 class RandomIds:

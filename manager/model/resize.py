@@ -9,6 +9,7 @@ Called under the ledger's lock.
 
 from __future__ import annotations
 
+from gpumgr.manager.model.bursts.limits import change_limit, restore_limit
 from gpumgr.manager.model.lifecycle import Lifecycle
 from gpumgr.manager.model.records import Command, Container, Op, OpKind
 from gpumgr.manager.model.walk.dispatch import Dispatch
@@ -23,14 +24,30 @@ class Resizer:
 
     def __init__(self, life: Lifecycle, dispatch: Dispatch, timeout: float) -> None:
         self.life, self.dispatch, self.ledger, self.timeout = life, dispatch, life.ledger, timeout
+        #: resize operation id → the limit its record had before (put back if its node refuses)
+        self.limits_before: dict[int, int] = {}
 
-    def begin(self, record: Container, memory: int, *, force: bool = False,
-              tenant: Tenant | None = None) -> Command | None:
-        """Check and start a resize of ``record`` to ``memory`` per GPU; the command for its node, if any.
+    def begin(self, record: Container, memory: int, *, force: bool = False, tenant: Tenant | None = None,
+              limit: int | None = None) -> Command | None:
+        """Check and start a resize of ``record`` to ``memory`` per GPU (and its limit to ``limit``, None: kept);
+        the command for its node, if any.
 
-        The quota is checked first (403), then room (409). Shrinking below what the container uses now
-        is refused unless ``force``. None when nothing needs telling (a queued request, or a no-op).
+        The limit is checked first (400 below the request), the quota next (403, the request alone), then
+        room (409). Shrinking below what the container uses now is refused unless ``force``. None when nothing
+        needs telling (a queued request, or a no-op).
         """
+        before = change_limit(record, memory, limit)
+        try:
+            command = self._begin(record, memory, force, tenant, before != record.gpu_memory_limit)
+        except GpumgrError:
+            restore_limit(record, before)
+            raise
+        if command is not None:
+            self.limits_before[command.op.id] = before
+        return command
+
+    def _begin(self, record: Container, memory: int, force: bool, tenant: Tenant | None,
+               limit_changed: bool) -> Command | None:
         if record.gang is not None:
             raise Conflict(f"container {record.id} is member {record.rank} of gang {record.gang}: a gang's members "
                            "keep the grant the gang asked for")
@@ -51,7 +68,7 @@ class Resizer:
         holder = self.ledger.nodes.get(record.node)
         if holder is None or not holder.ready:
             raise NoAgents(f"node {record.node} is down; its containers cannot be resized now")
-        if delta == 0 and record.enforced in (0, memory):
+        if delta == 0 and record.enforced in (0, memory) and not limit_changed:
             return None
         if delta > 0:
             self.life.quotas.check(tenant, delta * record.count, 0)
@@ -90,6 +107,9 @@ class Resizer:
 
     def settle(self, record: Container, op: Op, ok: bool, error: GpumgrError | None, definitive: bool) -> None:
         """Its node answered ``op`` (``ok``, or a definitive refusal), or never did (not ``definitive``)."""
+        limit_before = self.limits_before.pop(op.id, None)
+        if definitive and not ok and limit_before is not None:
+            restore_limit(record, limit_before)  # its node still kills above the limit it had
         if ok:
             record.enforced = op.new
             if record.gpu_memory == op.new:

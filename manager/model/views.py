@@ -16,7 +16,7 @@ from gpumgr.manager.placing.scheduler import LINKS
 from gpumgr.manager.tenancy.tenants import Principal, Usage
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import NoAgents, NotFound
-from gpumgr.wire.names import LIVE, State
+from gpumgr.wire.names import LIVE, State, burst_limit
 
 if TYPE_CHECKING:
     from gpumgr.manager.model.ledger import Ledger
@@ -49,6 +49,8 @@ def gpu_view(gpu: Gpu, shown: Callable[[str], bool] | None = None) -> dict[str, 
         "memory_reserved_for_gang": gpu.gang_hold,
         # its node runs MPS, and the percent of its SMs its live grants' compute shares take (at most 100)
         "mps": gpu.mps, "compute_shares": gpu.compute_shares,
+        # what containers use above their grants here (bursters): taken, though no grant reserves it
+        "memory_burst": gpu.burst,
         "compute_capability": gpu.compute_capability or None, "healthy": not gpu.health, "health": gpu.health or None,
         # its NVLink island, PCIe switch and socket (GPUs sharing an id are joined that well); None: not reported
         "topology": None if gpu.groups is None else dict(zip(LINKS, gpu.groups, strict=True)),
@@ -87,6 +89,8 @@ def container_view(record: Container, gpus: dict[str, dict[str, Any]] | None = N
         "desired_state": str(record.desired), "operation": str(record.op.kind) if record.op is not None else None,
         # what the map reserves per GPU now: more than gpu_memory while its node still enforces more
         "gpu_memory_held": record.held,
+        # a burstable grant's limit per GPU (its grant when it has none)
+        "gpu_memory_limit": burst_limit(record.gpu_memory, record.gpu_memory_limit),
         **({"detail": copy.deepcopy(record.detail)} if record.detail else {}),
     }
 
@@ -222,6 +226,7 @@ class MapReads:
                     snap.gpus.append((node.name, gpu.uuid, gpu.index, gpu.name, gpu.total, gpu.used, gpu.reserved,
                                       gpu.unmanaged, gpu.free))
                     snap.health.append((node.name, gpu.uuid, gpu.health))
+                    snap.bursts.append((node.name, gpu.uuid, gpu.burst))
                     for cid in gpu.holders:
                         record = records[cid]
                         snap.containers.append((node.name, gpu.uuid, cid, record.name, record.tenant or "",

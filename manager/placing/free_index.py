@@ -43,11 +43,13 @@ class GpuSlot:
     mps: bool = False
     #: the sum of its live grants' compute shares (percent of its SMs; at most 100)
     compute_shares: int = 0
+    #: bytes bursters use above their grants here (their heartbeats say): taken, though no grant reserves them
+    burst: int = 0
 
     @property
     def free(self) -> int:
-        """Schedulable free memory: what no grant, no stranger, no safety margin and no waiting gang holds."""
-        free = self.total - self.reserved - self.unmanaged - self.headroom - self.gang_hold
+        """Schedulable free memory: what no grant, burster, stranger, safety margin or waiting gang holds."""
+        free = self.total - self.reserved - self.unmanaged - self.headroom - self.gang_hold - self.burst
         return free if free > 0 else 0  # not max(): this runs several times per placement
 
 

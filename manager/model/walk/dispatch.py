@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gpumgr.manager.model.bursts.reclaim import BurstReclaim
 from gpumgr.manager.model.lifecycle import Lifecycle, placed_text
 from gpumgr.manager.model.records import Container, PlacementSpec
 from gpumgr.manager.model.walk.sharing import FairWalk
@@ -102,6 +103,8 @@ class Dispatch:
         self.jitter: Callable[[], float] = jitter_factor
         #: the walk and reclaim with accounts configured
         self.fair = FairWalk(self)
+        #: bursters stopped for a request that needs their bytes (before any priority preemption)
+        self.bursts = BurstReclaim(life)
 
     def walk(self, own: str | None = None, own_waits: bool = True) -> list[Container]:
         """Place queued requests in order while they fit; return those placed (state ``creating``).
@@ -196,7 +199,7 @@ class Dispatch:
         queue, it gives no right to stop anything. With ``same_account`` (accounts configured) only
         containers of ``head``'s own account are chosen: between accounts only reclaim moves room.
         """
-        if not self.ledger.preemptible:
+        if self.bursts.reclaim(head, self.making_room, self.may_stop) or not self.ledger.preemptible:
             return
         records = self.ledger.records
         chosen_before = self.making_room.get(head.id, set())
