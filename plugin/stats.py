@@ -37,13 +37,14 @@ WARN_PERCENT = 90.0
 PIPE_WIDTH = 1000
 #: The keys of each object in ``--format json``, in order; scripts may rely on them.
 JSON_KEYS = ("id", "container_id", "name", "node", "gpus", "grant_bytes", "gpu_count", "used_bytes", "peak_bytes",
-             "percent", "state", "compute_share")
+             "percent", "state", "compute_share", "limit_bytes")
 #: The bar's segments in order: (key in the GPU entry, cell character, style, legend). Each segment has its own
 #: character so that the bar still reads without colour.
 #: How ``-a``'s STATE column shows each state (the live ones plain); ended ones are dimmed, a kill is red.
 STATE_STYLES = {"queued": "yellow", "exited": "dim", "removed": "dim", "expired": "dim", "preempted": "dim",
                 "killed": "red", "failed": "red"}
-SEGMENTS = (("memory_reserved", "█", "cyan", "reserved"), ("memory_unmanaged", "▓", "magenta", "unmanaged"),
+SEGMENTS = (("memory_reserved", "█", "cyan", "reserved"), ("memory_burst", "▚", "yellow", "burst"),
+            ("memory_unmanaged", "▓", "magenta", "unmanaged"),
             ("memory_headroom", "▒", "bright_black", "headroom"), ("memory_free", "░", "green", "free"))
 
 
@@ -107,7 +108,8 @@ def stats_row(record: dict[str, Any]) -> dict[str, Any]:
     """A container record as one object of ``--format json`` (the keys of ``JSON_KEYS``).
 
     ``percent`` is what it uses of all it was granted (``gpu_memory`` × ``gpu_count``), rounded to one
-    decimal: above 100 it is over its grant. ``container_id`` is the engine's full id (a pid for host
+    decimal: above 100 it is over its grant (a burster may be, up to its ``limit_bytes`` per GPU, the grant
+    itself for any other). ``container_id`` is the engine's full id (a pid for host
     processes), null while queued.
     """
     granted = record["gpu_memory"] * record["gpu_count"]
@@ -116,12 +118,15 @@ def stats_row(record: dict[str, Any]) -> dict[str, Any]:
             "node": record["node"], "gpus": record["gpus"], "grant_bytes": record["gpu_memory"],
             "gpu_count": record["gpu_count"], "used_bytes": used, "peak_bytes": record["gpu_memory_peak"],
             "percent": round(100 * used / granted, 1) if granted else None, "state": record["state"],
-            "compute_share": record.get("compute_share") or 0}
+            "compute_share": record.get("compute_share") or 0,
+            "limit_bytes": max(record.get("gpu_memory_limit") or 0, record["gpu_memory"])}
 
 
-def grant_text(per_gpu: int, count: int) -> str:
-    """A grant as people say it: ``8GiB`` for one GPU, ``2×8GiB`` for two GPUs of 8 GiB each."""
-    return format_bytes(per_gpu) if count == 1 else f"{count}×{format_bytes(per_gpu)}"
+def grant_text(per_gpu: int, count: int, limit: int = 0) -> str:
+    """A grant as people say it: ``8GiB`` for one GPU, ``2×8GiB`` for two GPUs of 8 GiB each, and a burstable
+    grant's limit after a slash (``4GiB/12GiB``: 4 GiB guaranteed, up to 12 GiB while the GPU has room)."""
+    burst = f"/{format_bytes(limit)}" if limit > per_gpu else ""
+    return (format_bytes(per_gpu) if count == 1 else f"{count}×{format_bytes(per_gpu)}") + burst
 
 
 def share_text(share: int) -> str:
@@ -146,7 +151,8 @@ def stats_table(rows: Sequence[dict[str, Any]], with_state: bool = False) -> Tab
         state = (Text(row["state"], style=STATE_STYLES.get(row["state"], "")),) if with_state else ()
         table.add_row(str(row["container_id"] or "-")[:12], row["name"], *state, row["node"] or "-",
                       ",".join(str(g["index"]) for g in row["gpus"]) or "-",
-                      grant_text(row["grant_bytes"], row["gpu_count"]), share_text(row["compute_share"]),
+                      grant_text(row["grant_bytes"], row["gpu_count"], row["limit_bytes"]),
+                      share_text(row["compute_share"]),
                       format_bytes(row["used_bytes"]),
                       format_bytes(row["peak_bytes"]), Text("-" if percent is None else f"{percent:.1f}%", style=style))
     return table
@@ -231,19 +237,19 @@ def nodes_table(node_list: Sequence[dict[str, Any]]) -> RenderableType:
     from rich.console import Group
     from rich.text import Text
 
-    table = _table("NODE", "STATE", "GPU", "NAME", "MEMORY", "TOTAL", "RESERVED", "USED", "FREE", "CONTAINERS",
-                   right_from=5)
+    table = _table("NODE", "STATE", "GPU", "NAME", "MEMORY", "TOTAL", "RESERVED", "BURST", "USED", "FREE",
+                   "CONTAINERS", right_from=5)
     for node in node_list:
         state = Text(node["state"], style="green" if node["state"] == "ready" else "red")
         if not node["gpus"]:
-            table.add_row(node["name"], state, "-", "(no GPUs)", "", "", "", "", "", "0")
+            table.add_row(node["name"], state, "-", "(no GPUs)", "", "", "", "", "", "", "0")
         for gpu in node["gpus"]:
             name = gpu["name"] if gpu.get("healthy", True) else Text(f"{gpu['name']} (unhealthy: {gpu.get('health')})",
                                                                      style="red")  # issue 23
             table.add_row(node["name"], state, str(gpu["index"]), name, gpu_bar(gpu),
                           format_bytes(gpu["memory_total"]), format_bytes(gpu["memory_reserved"]),
-                          format_bytes(gpu["memory_used"]), format_bytes(gpu["memory_free"]),
-                          str(len(gpu["containers"])))
+                          format_bytes(gpu.get("memory_burst") or 0), format_bytes(gpu["memory_used"]),
+                          format_bytes(gpu["memory_free"]), str(len(gpu["containers"])))
     legend = Text("MEMORY: ")
     for index, (_, char, style, name) in enumerate(SEGMENTS):
         legend.append(char, style=style).append(f" {name}" + (", " if index < len(SEGMENTS) - 1 else ""))

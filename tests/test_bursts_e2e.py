@@ -12,8 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from gpumgr.plugin import docker_gpu
 from tests.invariant import settles
 from tests.procs import AgentProc, ManagerProc, remove_containers_of, wait_for
+from tests.test_stats import columns
 
 GiB = 1 << 30
 USAGE = "/tmp/use"
@@ -81,8 +83,14 @@ def burster(manager: ManagerProc, image: str, use: int, limit: str = "12GiB") ->
     return record, uuid
 
 
+def stats_lines(manager: ManagerProc, capsys: pytest.CaptureFixture[str], *args: str) -> list[str]:
+    """``docker gpu ARGS`` against ``manager`` in this process, its output's lines (a table, piped)."""
+    assert docker_gpu.main(["gpu", "--manager", manager.url, *args]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
 def test_a_burster_runs_above_its_request_and_is_reclaimed_for_a_request_that_needs_its_bytes(
-        bursts, test_image, docker_client):
+        bursts, test_image, docker_client, capsys):
     manager, _ = bursts
     record, uuid = burster(manager, test_image, 10 * GiB)
     assert record["gpu_memory"] == 4 * GiB and record["gpu_memory_limit"] == 12 * GiB
@@ -95,6 +103,11 @@ def test_a_burster_runs_above_its_request_and_is_reclaimed_for_a_request_that_ne
     gauge = next(line for line in manager.get("/metrics").text.splitlines()
                  if line.startswith("gpumgr_gpu_memory_burst_bytes{") and uuid in line)
     assert float(gauge.rsplit(" ", 1)[1]) == 6 * GiB
+    shown = stats_lines(manager, capsys, "stats", "--no-stream")  # docker gpu shows the limit and the burst
+    assert any(record["container_id"][:12] in line and "4GiB/12GiB" in line for line in shown), shown
+    nodes = {columns(line)[2]: columns(line) for line in stats_lines(manager, capsys, "nodes")[1:]
+             if line.startswith(NODE)}
+    assert nodes["0"][6:8] == ["4GiB", "6GiB"] and "▚" in nodes["0"][4]  # RESERVED, BURST; the bar's burst cells
 
     placed = manager.post("/v1/containers", json=job(test_image, "16GiB", 0))  # fits only once the burst is back
     assert placed.status_code == 201, placed.text

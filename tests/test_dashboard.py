@@ -367,3 +367,27 @@ def test_dashboard_shows_compute_shares(manager, test_image, browser, tmp_path, 
         assert not severe(browser)
     finally:
         agent.stop()
+
+
+def test_dashboard_shows_a_bursters_limit_and_the_gpus_burst(manager, test_image, browser, tmp_path,
+                                                             cleanup_containers):  # issue 36
+    agent = AgentProc(tmp_path, manager, "s36-burst", gpus="sim:1x24GiB")
+    try:
+        answer = manager.post("/v1/containers", json={
+            "image": test_image, "name": "burster", "gpu_memory": "4GiB", "gpu_memory_limit": "12GiB",
+            "env": {"GPUMGR_SIM_USAGE_FILE": "/tmp/use", "USE": str(10 * GiB)}, "command": ["sh", "-c", POLITE]})
+        assert answer.status_code == 201, answer.text
+        browser.get(manager.url + "/")
+        limit = wait_dom(browser, "const e = document.querySelector('[data-container] [data-limit]:not("
+                                  "[data-limit=\"0\"])'); return e && [e.dataset.limit, e.textContent];",
+                         what="the container's limit")
+        burst = wait_dom(browser, "const e = document.querySelector('[data-memory-burst]');"
+                                  "return e && Number(e.dataset.memoryBurst);", what="the GPU's burst")
+        mark = wait_dom(browser, "const e = document.querySelector('[data-mark]'); return e && e.dataset.mark;",
+                        what="the burster's mark")
+        assert limit[0] == str(12 * GiB) and limit[1].startswith("4") and limit[1].endswith("↑ 12 GiB"), limit
+        assert burst == 6 * GiB and mark == "burst"  # above its grant, within its limit: not "over"
+        assert browser.execute_script("return document.querySelectorAll('.seg.burst').length") == 1
+        assert not severe(browser)
+    finally:
+        agent.stop()

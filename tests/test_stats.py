@@ -98,7 +98,7 @@ def test_stats_table_and_json_show_grant_usage_and_peak(two, capsys):
     assert objects["stats-one"] == {
         "id": one["id"], "container_id": one["container_id"], "name": "stats-one", "node": "node-a",
         "gpus": one["gpus"], "grant_bytes": 2 * GiB, "gpu_count": 1, "used_bytes": GiB, "peak_bytes": GiB,
-        "percent": 50.0, "state": "running", "compute_share": 0}
+        "percent": 50.0, "state": "running", "compute_share": 0, "limit_bytes": 2 * GiB}
     assert objects["stats-two"]["percent"] == 25.0
 
     # a name, an id or an engine id (or a prefix of one) picks containers, like docker stats NAME
@@ -146,8 +146,8 @@ def test_nodes_shows_a_bar_and_the_figures_of_each_gpu(two, capsys):
     assert status == 0 and err == "", err
     assert "\x1b[" not in out
     lines = out.splitlines()
-    assert columns(lines[0]) == ["NODE", "STATE", "GPU", "NAME", "MEMORY", "TOTAL", "RESERVED", "USED", "FREE",
-                                 "CONTAINERS"]
+    assert columns(lines[0]) == ["NODE", "STATE", "GPU", "NAME", "MEMORY", "TOTAL", "RESERVED", "BURST", "USED",
+                                 "FREE", "CONTAINERS"]
     rows = {columns(line)[2]: columns(line) for line in lines[1:] if line.startswith("node-a")}
     gpus = manager.node("node-a")["gpus"]
     assert sorted(rows) == sorted(str(g["index"]) for g in gpus) and len(gpus) == 2, out
@@ -156,8 +156,8 @@ def test_nodes_shows_a_bar_and_the_figures_of_each_gpu(two, capsys):
         row = rows[str(gpu["index"])]
         assert row[:4] == ["node-a", "ready", str(gpu["index"]), gpu["name"]]
         assert row[5:] == [format_bytes(gpu["memory_total"]), format_bytes(gpu["memory_reserved"]),
-                           format_bytes(gpu["memory_used"]), format_bytes(gpu["memory_free"]),
-                           str(len(gpu["containers"]))]
+                           format_bytes(gpu["memory_burst"]), format_bytes(gpu["memory_used"]),
+                           format_bytes(gpu["memory_free"]), str(len(gpu["containers"]))]
         bar = row[4]
         assert len(bar) == stats.BAR_WIDTH and set(bar) <= {"█", "▓", "▒", "░"}, bar
         assert ("█" in bar) == (gpu["uuid"] in held) and "░" in bar
@@ -168,14 +168,18 @@ def test_nodes_shows_a_bar_and_the_figures_of_each_gpu(two, capsys):
 def test_bar_cells_are_proportional_and_show_small_segments():
     gpu = {"memory_total": 100, "memory_reserved": 50, "memory_unmanaged": 0, "memory_headroom": 0,
            "memory_free": 50}
-    assert stats.bar_cells(gpu, 10) == [5, 0, 0, 5]
+    assert stats.bar_cells(gpu, 10) == [5, 0, 0, 0, 5]
     tiny = {"memory_total": 1000, "memory_reserved": 1, "memory_unmanaged": 2, "memory_headroom": 0,
             "memory_free": 997}
-    assert stats.bar_cells(tiny, 10) == [1, 1, 0, 8]
+    assert stats.bar_cells(tiny, 10) == [1, 0, 1, 0, 8]
     thirds = {"memory_total": 3, "memory_reserved": 1, "memory_unmanaged": 1, "memory_headroom": 0, "memory_free": 1}
     assert sum(stats.bar_cells(thirds, 10)) == 10
-    assert stats.bar_cells({"memory_total": 0}, 10) == [0, 0, 0, 10]
+    assert stats.bar_cells({"memory_total": 0}, 10) == [0, 0, 0, 0, 10]
+    burst = {"memory_total": 24, "memory_reserved": 4, "memory_burst": 6, "memory_unmanaged": 0, "memory_headroom": 0,
+             "memory_free": 14}  # a 4 GiB grant using 10: its 6 above the grant are not free
+    assert stats.bar_cells(burst, 12) == [2, 3, 0, 0, 7]
     assert stats.grant_text(8 * GiB, 1) == "8GiB" and stats.grant_text(8 * GiB, 2) == "2×8GiB"
+    assert stats.grant_text(4 * GiB, 1, 12 * GiB) == "4GiB/12GiB" and stats.grant_text(4 * GiB, 1, 4 * GiB) == "4GiB"
 
 
 class Reader:

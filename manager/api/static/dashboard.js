@@ -291,10 +291,12 @@
       const grant = c ? c.gpu_memory || 0 : 0;
       known += grant;
       const used = c ? perGpuUse(c) : 0;
-      const ratio = grant > 0 ? used / grant : 0;
+      const cap = c ? Math.max(grant, c.gpu_memory_limit || 0) : grant;  // a burster may use up to its limit
+      const ratio = cap > 0 ? used / cap : 0;
       const name = c ? c.name || shortId(c.id) : shortId(id);
       const tip = name + " (" + shortId(id) + ")" + (c && c.tenant ? ", tenant " + c.tenant : "") +
-        ": grant " + bytes(grant) + ", used " + bytes(used) + (grant ? " (" + Math.round(100 * ratio) + "%)" : "");
+        ": grant " + bytes(grant) + (cap > grant ? " up to " + bytes(cap) : "") + ", used " + bytes(used) +
+        (grant ? " (" + Math.round(100 * used / grant) + "% of the grant)" : "");
       const segment = el("div", {
         class: "seg grant" + (ratio > 1 ? " over" : ratio >= NEAR ? " near" : ""),
         "data-grant": id, title: tip, style: { width: pct(grant, total) + "%" },
@@ -307,6 +309,11 @@
     if (others > 0) {
       bar.append(el("div", { class: "seg other", title: "other grants: " + bytes(others),
         style: { width: pct(others, total) + "%" } }));
+    }
+    const burst = gpu.memory_burst || 0;  // bursters' use above their grants: taken, though no grant holds it
+    if (burst > 0) {
+      bar.append(el("div", { class: "seg burst", title: "burst above grants: " + bytes(burst),
+        style: { width: pct(burst, total) + "%" } }));
     }
     const unmanaged = gpu.memory_unmanaged || 0;
     if (unmanaged > 0) {
@@ -330,6 +337,8 @@
       el("span", { class: "muted gpu-uuid", text: gpu.uuid }));
     const figures = el("div", { class: "gpu-figures" },
       figure("used", gpu.memory_used), figure("granted", gpu.memory_reserved),
+      burst ? el("span", { class: "fig", "data-memory-burst": burst, title: "what bursters use above their grants" },
+        el("span", { class: "muted", text: "burst " }), bytes(burst)) : null,
       unmanaged ? figure("unmanaged", unmanaged) : null, figure("free", free), figure("total", total),
       gpu.mps ? el("span", { class: "fig", "data-compute-shares": gpu.compute_shares || 0,
         title: "MPS: the compute shares of its grants, in percent of its SMs (at most 100)" },
@@ -387,13 +396,19 @@
     const grant = (c.gpu_memory || 0) * Math.max(1, c.gpu_count || 1);
     const used = c.gpu_memory_used || 0;
     const isLive = LIVE.has(c.state);
+    const limit = Math.max(c.gpu_memory || 0, c.gpu_memory_limit || 0) * Math.max(1, c.gpu_count || 1);
     const ratio = grant > 0 ? used / grant : 0;
+    const overLimit = limit > 0 ? used / limit : 0;  // "over" means over what it may use: a burster's limit
     const where = c.node
       ? c.node + " / " + ((c.gpus || []).map((g) => (g.index === null || g.index === undefined ? "?" : g.index)).join(",") || "–")
       : "–";
     const share = el("td", { class: "num share" }, grant && isLive ? Math.round(100 * ratio) + "%" : "–");
-    if (isLive && ratio > 1) share.append(" ", el("span", { class: "mark over", "data-mark": "over", text: "over grant" }));
-    else if (isLive && ratio >= NEAR) share.append(" ", el("span", { class: "mark near", "data-mark": "near", text: "near grant" }));
+    if (isLive && overLimit > 1) share.append(" ", el("span", { class: "mark over", "data-mark": "over",
+      text: limit > grant ? "over limit" : "over grant" }));
+    else if (isLive && limit > grant && ratio > 1) share.append(" ", el("span", { class: "mark near",
+      "data-mark": "burst", text: "bursting" }));
+    else if (isLive && overLimit >= NEAR) share.append(" ", el("span", { class: "mark near", "data-mark": "near",
+      text: "near grant" }));
     const stateCell = el("td", {}, el("span", { class: "state s-" + c.state, text: c.state }));
     const overrun = c.detail && c.detail.overrun;
     if (overrun && overrun.observed !== undefined) {
@@ -408,7 +423,8 @@
       el("td", { text: c.tenant || "–" }),
       el("td", { text: where }),
       stateCell,
-      el("td", { class: "num", text: bytes(grant) + (c.gpu_count > 1 ? " (" + c.gpu_count + "×)" : "") }),
+      el("td", { class: "num", "data-limit": limit > grant ? limit : 0,
+        text: bytes(grant) + (c.gpu_count > 1 ? " (" + c.gpu_count + "×)" : "") + (limit > grant ? " ↑ " + bytes(limit) : "") }),
       el("td", { class: "num", "data-compute-share": c.compute_share || 0,
         text: c.compute_share ? c.compute_share + "%" : "–" }),
       el("td", { class: "num", text: isLive ? bytes(used) : "–" }),
