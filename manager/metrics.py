@@ -66,6 +66,10 @@ class MapCollector(Collector):
                                   "(bursters): taken, though no grant reserves it", labels=gpu_labels)
         for node, uuid, b in snap.bursts:
             burst.add_metric([node, uuid], b)
+        shares = GaugeMetricFamily("gpumgr_gpu_compute_shares_percent", "Percent of an MPS GPU's SMs its live "
+                                   "grants' compute shares take (at most 100)", labels=gpu_labels)
+        for node, uuid, s in snap.shares:
+            shares.add_metric([node, uuid], s)
         healthy = GaugeMetricFamily("gpumgr_gpu_healthy", "1 while the GPU takes grants, 0 while its node reports it "
                                     "unhealthy (a fatal Xid, retired pages, ECC errors, heat)", labels=gpu_labels)
         for node, uuid, health in snap.health:
@@ -94,7 +98,8 @@ class MapCollector(Collector):
                                   "operator's)", labels=["tenant"])
         for tenant, count in sorted(snap.queued.items()):
             queue.add_metric([tenant], count)
-        yield from (total, used, reserved, unmanaged, free, burst, healthy, grant, cused, up, kills, placements, queue)
+        yield from (total, used, reserved, unmanaged, free, burst, shares, healthy, grant, cused, up, kills,
+                    placements, queue)
         yield from account_families(self.cluster.accounts_view(OPERATOR) or [])
 
 

@@ -100,6 +100,9 @@ def test_shares_fill_an_mps_gpu_to_100_and_the_next_waits(tmp_path, manager, doc
         third = wait_for(lambda: (r := manager.get(f"/v1/containers/{fits.json()['id']}").json())["state"]
                          == "running" and r, 30, what="the share of 40 to run after it")
         assert third["node"] == MPS and gpu_of(manager, MPS)["compute_shares"] == 100
+        gauges = [line for line in manager.get("/metrics").text.splitlines()
+                  if line.startswith("gpumgr_gpu_compute_shares_percent{")]
+        assert len(gauges) == 1 and MPS in gauges[0] and float(gauges[0].rsplit(" ", 1)[1]) == 100  # MPS GPUs only
         settles(manager, docker_client, {MPS, PLAIN})
 
         # gpu.mps picks nodes by whether they run MPS

@@ -227,6 +227,8 @@ class MapReads:
                                       gpu.unmanaged, gpu.free))
                     snap.health.append((node.name, gpu.uuid, gpu.health))
                     snap.bursts.append((node.name, gpu.uuid, gpu.burst))
+                    if gpu.mps:
+                        snap.shares.append((node.name, gpu.uuid, gpu.compute_shares))
                     for cid in gpu.holders:
                         record = records[cid]
                         snap.containers.append((node.name, gpu.uuid, cid, record.name, record.tenant or "",
