@@ -5,10 +5,11 @@ GPU has room. The manager never grants bytes a burster holds at its last heartbe
 still under its limit can grow, after that heartbeat, into bytes just granted to a new container.
 So after every full sample the agent adds up, per GPU, what is spoken for: each running container's
 ``max(use, request)`` plus the memory no managed container explains. Once that passes the GPU's
-total minus the manager's headroom (told in ``Registered``), it stops bursters (containers using more
-than their request there), lowest priority first, then the largest burst, then the youngest, until it
-fits again. Each is killed with reason ``burst_reclaimed``, which the manager records as ``preempted``.
-A container back under its request is no burster: it is never stopped here.
+total minus the manager's headroom (told in ``Registered``), it stops bursters (containers with a limit
+above their request, using more than their request there), lowest priority first, then the largest burst,
+then the youngest, until it fits again. Each is killed with reason ``burst_reclaimed``, which the manager
+records as ``preempted``. A container back under its request is no burster: it is never stopped here; nor is
+one without a limit over its grant (the enforcer holds it to its grant, as its ``on_overrun`` says).
 """
 
 from __future__ import annotations
@@ -93,9 +94,10 @@ class BurstGuard:
 
 def bursters(uuid: str, sample: Sample, managed: dict[str, Managed],
              skip: set[str] | frozenset[str] = frozenset()) -> list[tuple[Managed, int]]:
-    """The containers using more than their request on GPU ``uuid``, with their use, in the order they are stopped:
-    the lowest priority first, then the largest burst, then the youngest."""
-    found = [(c, used) for c in managed.values() if c.grant not in skip
+    """The bursters (a limit above the request) using more than their request on GPU ``uuid``, with their use, in
+    the order they are stopped: the lowest priority first, then the largest burst, then the youngest. A container
+    without a limit over its grant is no burster: the enforcer holds it to its grant, as its ``on_overrun`` says."""
+    found = [(c, used) for c in managed.values() if c.grant not in skip and c.limit > c.gpu_memory
              and (used := sample.usage.get(c.grant, {}).get(uuid, 0)) > c.gpu_memory]
     found.sort(key=lambda cu: (cu[0].priority, -(cu[1] - cu[0].gpu_memory), -cu[0].created_at))
     return found

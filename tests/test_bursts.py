@@ -163,3 +163,18 @@ def test_a_restarted_manager_adopts_the_limit_and_the_burst_from_a_registration(
     assert (record.state, record.gpu_memory, record.gpu_memory_limit) == (State.RUNNING, 4 * GiB, 12 * GiB)
     gpu = cluster.nodes_view()[0]["gpus"][0]
     assert (gpu["memory_reserved"], gpu["memory_burst"], gpu["memory_free"]) == (4 * GiB, 6 * GiB, 14 * GiB)
+
+
+def test_the_agents_protection_stops_only_bursters_never_a_container_without_a_limit() -> None:
+    """A container with no limit over its grant is the enforcer's, per its on_overrun (``report`` keeps it running):
+    the protection of granted bytes stopped it too (CI: a report-policy container with a huge usage figure)."""
+    from gpumgr.agent.bursts import bursters
+    from gpumgr.agent.meter import Sample
+    from gpumgr.agent.runtimes.runtime import Managed
+
+    G = 1 << 30
+    plain = Managed("plain", "c-plain", "plain", ["GPU-0"], 1 * G, on_overrun="report")
+    burster = Managed("burst", "c-burst", "burst", ["GPU-0"], 4 * G, gpu_memory_limit=12 * G)
+    sample = Sample([], usage={"plain": {"GPU-0": 30 * G}, "burst": {"GPU-0": 10 * G}})
+    found = bursters("GPU-0", sample, {"plain": plain, "burst": burster})
+    assert [(c.grant, used) for c, used in found] == [("burst", 10 * G)]
