@@ -18,9 +18,8 @@ import logging
 import time
 from typing import Any
 
-from gpumgr.agent import procmap
 from gpumgr.agent.gpus.source import Device
-from gpumgr.agent.meter import Sample
+from gpumgr.agent.meter import Sample, still_theirs
 from gpumgr.agent.runtimes.runtime import Managed, Runtime
 from gpumgr.wire.names import BURST_RECLAIMED
 
@@ -71,7 +70,7 @@ class BurstGuard:
 
     def _stop(self, container: Managed, uuid: str, used: int, excess: int, sample: Sample) -> bool:
         pids = sample.pids.get(container.grant, {}).get(uuid, [])
-        if not any(self._theirs(container, pid, started) for pid, started in pids):
+        if not still_theirs(self.runtime, container.grant, pids):
             return False  # its processes are gone or the PIDs were reused: nothing of it to stop
         detail: dict[str, Any] = {"reason": BURST_RECLAIMED, "gpu": uuid, "observed": used,
                                   "grant_bytes": container.gpu_memory, "limit_bytes": container.limit,
@@ -86,10 +85,6 @@ class BurstGuard:
             return False
         self._stopped.add(container.grant)
         return True
-
-    def _theirs(self, container: Managed, pid: int, started: int | None) -> bool:
-        owner = self.runtime.owner_of(pid)
-        return owner is not None and owner.grant == container.grant and procmap.start_time_of(pid) == started
 
 
 def bursters(uuid: str, sample: Sample, managed: dict[str, Managed],

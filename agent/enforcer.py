@@ -24,10 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumgr.agent import procmap
 from gpumgr.agent.bursts import BurstGuard
 from gpumgr.agent.gpus.source import Device, GpuSource
-from gpumgr.agent.meter import Sample, take_sample
+from gpumgr.agent.meter import Sample, still_theirs, take_sample
 from gpumgr.agent.runtimes.runtime import Managed, Runtime
 from gpumgr.wire import defaults
 from gpumgr.wire.names import State
@@ -210,7 +209,7 @@ class Enforcer:
 
     def _act(self, container: Managed, verdict: Verdict) -> None:
         """Re-check, report and act on one container (on a worker thread; the caller claimed its grant)."""
-        if not self._still_theirs(container, verdict):
+        if not still_theirs(self.runtime, container.grant, verdict.pids):
             log.info("overrun of %s not confirmed: its processes are gone or reused", container.grant)
             with self._acting:
                 self._acted.discard(container.grant)
@@ -241,10 +240,3 @@ class Enforcer:
         log.warning("could not %s %s (%s); trying again in %gs", container.on_overrun, container.container_id[:12],
                     exc, delay)
         self._on_overrun(container, {**detail, "kill_failed": str(exc), "retry_in": delay})
-
-    def _still_theirs(self, container: Managed, verdict: Verdict) -> bool:
-        for pid, started in verdict.pids:
-            owner = self.runtime.owner_of(pid)
-            if owner is not None and owner.grant == container.grant and procmap.start_time_of(pid) == started:
-                return True
-        return False

@@ -51,3 +51,15 @@ def take_sample(source: GpuSource, devices: list[Device], runtime: Runtime) -> S
         gpus.append(GpuSample(uuid=device.uuid, memory_used=used, memory_unmanaged=max(0, used - managed_bytes),
                               health=health.get(device.uuid, "")))
     return Sample(gpus, dict(usage), {g: dict(p) for g, p in pids.items()})
+
+
+def still_theirs(runtime: Runtime, grant: str, pids: list[tuple[int, int | None]]) -> bool:
+    """Whether any of a sample's ``(pid, start time)`` of ``grant`` is still that process in that container.
+
+    PIDs are reused: a container is acted on only once this holds, right before the act.
+    """
+    for pid, started in pids:
+        owner = runtime.owner_of(pid)
+        if owner is not None and owner.grant == grant and start_time_of(pid) == started:
+            return True
+    return False
