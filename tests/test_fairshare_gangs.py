@@ -5,9 +5,12 @@ holds, and never in a loop."""
 
 from __future__ import annotations
 
+import pytest
+
 from gpumgr.manager.model.gangs import Gang, GangSpec
 from gpumgr.manager.model.records import PlacementSpec
 from gpumgr.manager.tenancy.tenants import OPERATOR
+from gpumgr.wire.errors import NoFit
 from gpumgr.wire.names import State
 from tests.accounts_model import Accounts
 
@@ -114,7 +117,7 @@ def test_nothing_is_reclaimed_for_a_gang_while_the_zone_rule_holds() -> None:
 def test_while_a_gang_is_owed_room_other_accounts_do_not_borrow_what_frees() -> None:
     """a borrowed the cluster and asks for more; b, below its fair share, waits with a gang of three. Room that
     frees by itself (none of a's containers has run its reclaim_min_runtime) is not borrowed back by a while
-    b is owed: the gang starts whole once the third GPU frees."""
+    b is owed, by a queued request, a new one or a new gang: the gang starts whole once the third GPU frees."""
     accounts = {"a": {"quota": {"gpu_memory": 0}, "reclaim_min_runtime": 1000},
                 "b": {"quota": {"gpu_memory": 4 * G}, "reclaim_min_runtime": 1000}}
     sim = Accounts(accounts, nodes=4, gpus=1, gpu_memory=G)
@@ -127,6 +130,12 @@ def test_while_a_gang_is_owed_room_other_accounts_do_not_borrow_what_frees() -> 
         sim.step()
         assert all(r.state is State.QUEUED for r in later)  # the free GPUs wait for the gang
     assert state(sim, waiting) == "queued"
+    member = PlacementSpec(memory=G, count=1, placement="spread", image="img", command=[], preemptible=True)
+    with pytest.raises(NoFit):  # a new gang of a, or a request that will not wait, jumps no line either
+        sim.cluster.submit_gang(GangSpec(member, 2), tenant=sim.tenants["a"])
+    with pytest.raises(NoFit):
+        sim.ask("a", 1, queue=False)
+    assert [g.id for g in sim.cluster.gangs.gangs.values()] == [waiting.id]  # nothing of the refused gang stays
     sim.cluster.finish(borrowed[2].id, State.EXITED, exit_code=0)
     sim.step()
     sim.step()

@@ -75,6 +75,7 @@ class Cluster(Terms, MapReads, GangCalls):
                            lambda: self.reconciler.disrupted)
         self.dispatcher.fair.gangs_waiting = self.gangs.waiting_by_account
         self.dispatcher.fair.gangs = self.gangs  # with accounts a waiting gang is an entry of its account's line
+        self.gangs.walk = lambda: self._placed_by_walk(self.dispatcher.walk())
         self.gangs.may_stop = self.dispatcher.may_stop
         #: a node answered a command (``reply``), or did not (``error``): the follow-up commands (under the lock)
         self.settle: Callable[..., list[Command]] = self.replies.answer

@@ -69,6 +69,9 @@ class Gangs(Waiting):
         #: the head gang's held GPUs and bytes, kept while it stays the head and its GPUs stay schedulable
         self.hold_plan: tuple[str, list[tuple[str, int]]] | None = None
         self.to_send: list[Command] = []
+        #: a walk of the queue placing what fits (the cluster's), and the gang a submit tries in it without waiting
+        self.walk: Callable[[], None] = lambda: None
+        self.trying: str | None = None
         life.member_ended = self.member_ended
         life.member_adopted = self.adopted
 
@@ -93,6 +96,8 @@ class Gangs(Waiting):
             if not self._account_allows(gang):
                 self._over_quota(gang, queue)
                 raise NoFit("its account may not run it now: it waits for its account's allocation to fall")
+            if self._in_line():
+                return gang, self._take_turn(gang, queue)
             plan = plan_gang(self.ledger.index, request_for(member, member.memory), spec.replicas, spec.one_per_node)
         except (NoFit, NoAgents) as exc:
             if not queue:

@@ -38,6 +38,9 @@ class Waiting:
     #: creates of gangs the fair walk placed, for the next dispatch to send
     to_send: list[Command]
 
+    walk: Callable[[], None]
+    trying: str | None
+
     def _start(self, gang: Gang, plan: list[list[Any]]) -> list[Command]:
         raise NotImplementedError  # core's: the plan granted to fresh members
 
@@ -207,9 +210,31 @@ class Waiting:
         assert accounts is not None
         now = self.life.clock.monotonic()
         return [GangEntry(g.id, accounts.account_of(g.tenant), g.spec.member.priority, g.waiting_mono or 0.0,
-                          self.total(g), g.spec.member.preemptible)
+                          self.total(g), g.spec.member.preemptible, waits=g.id != self.trying)
                 for g in (self.gangs[gid] for gid in self.waiting)
                 if (g.expires_mono is None or now < g.expires_mono) and self._tenant_allows(g)]
+
+    def _in_line(self) -> bool:
+        """With accounts, while anything waits a new gang takes its turn in the fair walk (it jumps no line)."""
+        return self.life.quotas.accounts is not None and bool(len(self.life.queue) or self.waiting)
+
+    def _take_turn(self, gang: Gang, waits: bool) -> list[Command]:
+        """A new gang's turn in its account's line, in a walk of the fair order (owed room there only if it
+        ``waits``): its members' creates if the walk placed it; NoFit if it did not."""
+        self.gangs[gang.id], gang.waiting_mono, self.trying = gang, self.life.clock.monotonic(), \
+            None if waits else gang.id
+        self.waiting.append(gang.id)
+        try:
+            self.walk()
+        finally:
+            self.trying = None
+        if gang.id in self.waiting:  # not placed: it waits (journaled then) or is refused
+            self.waiting.remove(gang.id)
+            del self.gangs[gang.id]
+            raise NoFit("it does not fit whole now, or requests before it in the fair order take the room")
+        mine = [c for c in self.to_send if c.record.gang == gang.id]
+        self.to_send = [c for c in self.to_send if c.record.gang != gang.id]
+        return mine
 
     def place(self, gid: str) -> bool:
         """Place waiting gang ``gid`` whole now if it fits (the room held for it counted): its members' creates

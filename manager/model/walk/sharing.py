@@ -20,6 +20,7 @@ held for it), or blocks its account's line as a single request does when a quota
 One that does not fit steps aside (backfill: the requests behind it may take room it cannot use yet),
 but if its account is below its fair share it is owed room as a single request is, reclaim is planned for
 it, and while the victims chosen for it stop, its account's line waits for it, so their room goes to it.
+A gang submitted while anything waits takes its turn in such a walk at once (owed nothing if it will not wait).
 
 **Reclaim** (:meth:`FairWalk.plan_reclaim`) compares accounts under their lowest common parent, as KAI
 does: for a head in leaf ``R``, a running container ``v`` of leaf ``V`` may be stopped only if it is
@@ -83,6 +84,8 @@ class GangEntry:
     #: its members' bytes × GPUs × replicas
     total: int
     preemptible: bool
+    #: False for a gang a submit tries without ``queue``: placed if it fits, never owed room
+    waits: bool = True
 
 
 class GangLine(Protocol):
@@ -226,6 +229,8 @@ class FairWalk:
         if self.gangs.place(gang.id):
             for name in self.tree[gang.account].path:
                 shares.allocated[name] = shares.allocated.get(name, 0.0) + gang.total
+            return owed
+        if not gang.waits:
             return owed
         if shares.ratio(gang.account) < 1.0:
             owed = True
