@@ -142,3 +142,22 @@ def test_while_a_gang_is_owed_room_other_accounts_do_not_borrow_what_frees() -> 
     assert state(sim, waiting) == "running" and all(r.state is State.QUEUED for r in later)
     assert sim.reclaimed == []  # none of a's containers had run reclaim_min_runtime
     sim.check()
+
+
+def test_a_gang_submitted_while_others_wait_takes_its_turn_and_only_a_waiting_one_is_journaled(tmp_path) -> None:
+    from gpumgr.manager.model.queue import QueueJournal
+
+    accounts = {"a": {"quota": {"gpu_memory": 0}}, "b": {"quota": {"gpu_memory": 4 * G}}}
+    sim = Accounts(accounts, nodes=4, gpus=1, gpu_memory=G)
+    sim.cluster.journal = sim.cluster.life.journal = QueueJournal(tmp_path)
+    (held,) = sim.ask("a", 1, preemptible=False)  # past a's quota and not preemptible: it waits in line
+    assert held.state is State.QUEUED
+    member = PlacementSpec(memory=G, count=1, placement="spread", image="img", command=["train"])
+    placed, commands = sim.cluster.submit_gang(GangSpec(member, 2), tenant=sim.tenants["b"])
+    assert placed.state == "creating" and len(commands) == 2  # its turn came in the walk, and it fit whole
+    sim.answer(commands)
+    waiting = gang(sim, "b", 3)  # two GPUs are left: it waits
+    assert [e["id"] for e in QueueJournal(tmp_path).load()] == [held.id, waiting.id]
+    assert placed.id not in (tmp_path / "queue.jsonl").read_text()  # its try wrote nothing there
+    assert sim.cluster.gangs.to_send == [] and sim.cluster.gangs.trying is None
+    sim.check()

@@ -69,9 +69,9 @@ class Gangs(Waiting):
         #: the head gang's held GPUs and bytes, kept while it stays the head and its GPUs stay schedulable
         self.hold_plan: tuple[str, list[tuple[str, int]]] | None = None
         self.to_send: list[Command] = []
-        #: a walk of the queue placing what fits (the cluster's), and the gang a submit tries in it without waiting
+        #: a walk of the queue placing what fits (the cluster's), and the gang a submit tries in it (whether it waits)
         self.walk: Callable[[], None] = lambda: None
-        self.trying: str | None = None
+        self.trying: tuple[str, bool] | None = None
         life.member_ended = self.member_ended
         life.member_adopted = self.adopted
 

@@ -39,7 +39,7 @@ class Waiting:
     to_send: list[Command]
 
     walk: Callable[[], None]
-    trying: str | None
+    trying: tuple[str, bool] | None
 
     def _start(self, gang: Gang, plan: list[list[Any]]) -> list[Command]:
         raise NotImplementedError  # core's: the plan granted to fresh members
@@ -210,7 +210,7 @@ class Waiting:
         assert accounts is not None
         now = self.life.clock.monotonic()
         return [GangEntry(g.id, accounts.account_of(g.tenant), g.spec.member.priority, g.waiting_mono or 0.0,
-                          self.total(g), g.spec.member.preemptible, waits=g.id != self.trying)
+                          self.total(g), g.spec.member.preemptible, waits=self.trying != (g.id, False))
                 for g in (self.gangs[gid] for gid in self.waiting)
                 if (g.expires_mono is None or now < g.expires_mono) and self._tenant_allows(g)]
 
@@ -221,8 +221,7 @@ class Waiting:
     def _take_turn(self, gang: Gang, waits: bool) -> list[Command]:
         """A new gang's turn in its account's line, in a walk of the fair order (owed room there only if it
         ``waits``): its members' creates if the walk placed it; NoFit if it did not."""
-        self.gangs[gang.id], gang.waiting_mono, self.trying = gang, self.life.clock.monotonic(), \
-            None if waits else gang.id
+        self.gangs[gang.id], gang.waiting_mono, self.trying = gang, self.life.clock.monotonic(), (gang.id, waits)
         self.waiting.append(gang.id)
         try:
             self.walk()
@@ -252,7 +251,10 @@ class Waiting:
             self.to_send += self._start(gang, plan)
         except Conflict:
             return False  # every gang port of its master's host is taken: nothing was granted; it waits
-        self._unwait(gang)
+        if self.trying is not None and self.trying[0] == gid:
+            self.waiting.remove(gid)  # a submit's own try: never journaled
+        else:
+            self._unwait(gang)
         self.making_room.pop(gang.id, None)
         ledger.wake.set()
         return True

@@ -223,7 +223,10 @@ class FairWalk:
         assert self.gangs is not None
         verdict = self.life.quotas.room(gang.account, gang.total)
         if verdict == "limit" or (verdict == "over_quota" and (owed or not gang.preemptible)):
-            blocked.add(gang.account)  # as a single request: its line waits for its account's allocation to fall
+            if gang.waits:  # as a single request: its line waits for its account's allocation to fall
+                blocked.add(gang.account)
+            else:
+                line.popleft()
             return owed
         line.popleft()
         if self.gangs.place(gang.id):
