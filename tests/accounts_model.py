@@ -16,7 +16,7 @@ from gpumgr.manager.model.records import Command, Container, OpKind, PlacementSp
 from gpumgr.manager.tenancy.accounts import AccountConfig, build_accounts
 from gpumgr.manager.tenancy.tenants import OPERATOR, Tenant, TenantBook
 from gpumgr.wire.names import LIVE, State
-from gpumgr.wire.protocol import ContainerReport, GpuInfo, Reply
+from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuSample, Reply
 from tests.invariant import model_violations
 from tests.lifecycle_model import LogicalClock
 
@@ -128,6 +128,32 @@ class Accounts:
 
     def fair_gpus(self, account: str) -> float:
         return self.view()[account]["fair_share"] / self.gpu_memory
+
+    def heartbeat(self, names: list[str], held: list[Container]) -> None:
+        """Nodes ``names`` (of one GPU each) report ``held``'s containers on them running."""
+        for name in names:
+            statuses = [ContainerStatus(grant=r.id, container_id=f"c-{r.id}", state="running")
+                        for r in held if r.node == name and r.state in LIVE]
+            self.cluster.heartbeat(name, name.encode(), [GpuSample(uuid=f"{name}-g0", memory_used=0,
+                                                                   memory_unmanaged=0)], statuses)
+
+    def partition(self, alive: list[str], held: list[Container]) -> None:
+        """Every node but ``alive`` goes silent at once: the zone rule holds (a partition, not their deaths)."""
+        self.clock.advance(self.cluster.down_after + 1)
+        self.heartbeat(alive, held)
+        self.cluster.sweep()
+        assert self.cluster.reconciler.disrupted
+
+    def heal(self, silent: list[str], alive: list[str], held: list[Container]) -> None:
+        """The ``silent`` nodes come back and register again with ``held``'s containers: the zone rule ends."""
+        for name in silent:
+            reports = [ContainerReport(grant=r.id, container_id=f"c-{r.id}", gpus=r.gpus, gpu_memory=r.gpu_memory,
+                                       state="running") for r in held if r.node == name]
+            self.cluster.register(name, name.encode(), "docker", [GpuInfo(uuid=f"{name}-g0", index=0, name="Sim",
+                                                                          memory_total=self.gpu_memory)], reports)
+        self.heartbeat(alive, held)
+        self.cluster.sweep()
+        assert not self.cluster.reconciler.disrupted
 
     def check(self) -> None:
         """The one invariant over the map holds."""

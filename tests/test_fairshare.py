@@ -12,8 +12,8 @@ from gpumgr.manager.model.records import OpKind, PlacementSpec
 from gpumgr.manager.tenancy.accounts import DEFAULT, AccountConfig, build_accounts
 from gpumgr.manager.tenancy.tenants import OPERATOR, Principal
 from gpumgr.wire.errors import Conflict
-from gpumgr.wire.names import LIVE, State
-from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuSample
+from gpumgr.wire.names import State
+from gpumgr.wire.protocol import ContainerReport, GpuInfo
 from tests.accounts_model import Accounts, account_tree
 
 G = 80 << 30  # one GPU of KAI's fixture
@@ -231,32 +231,14 @@ def test_reclaim_is_paused_while_the_zone_rule_holds() -> None:
                 "b": {"quota": {"gpu_memory": G}, "reclaim_min_runtime": 0}}
     sim = Accounts(accounts, nodes=10, gpus=1, gpu_memory=G)
     held = sim.ask("a", 10)
-
-    def heartbeat(names: list[str]) -> None:
-        for name in names:
-            statuses = [ContainerStatus(grant=r.id, container_id=f"c-{r.id}", state="running")
-                        for r in held if r.node == name and r.state in LIVE]
-            sim.cluster.heartbeat(name, name.encode(), [GpuSample(uuid=f"{name}-g0", memory_used=0,
-                                                                  memory_unmanaged=0)], statuses)
-
-    alive = [f"n{i}" for i in range(4)]
-    sim.clock.advance(sim.cluster.down_after + 1)
-    heartbeat(alive)
-    sim.cluster.sweep()  # six of ten silent at once: a partition, not six deaths
-    assert sim.cluster.reconciler.disrupted
+    alive, silent = [f"n{i}" for i in range(4)], [f"n{i}" for i in range(4, 10)]
+    sim.partition(alive, held)  # six of ten silent at once: a partition, not six deaths
     (waiting,) = sim.ask("b", 1)
     for _ in range(3):
         assert sim.step(0.5) == []
-        heartbeat(alive)
+        sim.heartbeat(alive, held)
     assert waiting.state is State.QUEUED
-    for name in [f"n{i}" for i in range(4, 10)]:  # the silent ones come back and register again
-        reports = [ContainerReport(grant=r.id, container_id=f"c-{r.id}", gpus=r.gpus, gpu_memory=r.gpu_memory,
-                                   state="running") for r in held if r.node == name]
-        sim.cluster.register(name, name.encode(), "docker", [GpuInfo(uuid=f"{name}-g0", index=0, name="Sim",
-                                                                     memory_total=G)], reports)
-    heartbeat(alive)
-    sim.cluster.sweep()
-    assert not sim.cluster.reconciler.disrupted
+    sim.heal(silent, alive, held)
     stopped = sim.step(0.5)
     assert len(stopped) == 1 and stopped[0].reason == "reclaimed"
     sim.check()

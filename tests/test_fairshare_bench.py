@@ -78,3 +78,14 @@ def test_the_scheduler_bench_times_accounts_beside_plain(tmp_path: Path) -> None
     assert all(row["median_per_s"] > 0 for row in result["results"])
     assert result["ratios"]["accounts/plain reserve+finish spread"] > 0
     assert result["fill_after"] == pytest.approx(0.8, abs=0.02)  # the accounts map was filled like the others
+
+
+def test_a_gang_of_an_account_below_its_fair_share_is_reclaimed_for_whole_and_then_nothing_more() -> None:
+    from bench.fairshare_gangs import GangRun
+
+    run = GangRun(replicas=8, member_gpus=2, gang_at=400.0, end=700.0)
+    run.run()
+    gang = run.result()["gang"]
+    assert gang["wait_s"] is not None and gang["wait_s"] <= run.stop_s + run.create_s + 1
+    assert 0 < gang["gpus_stopped_for_it"] <= gang["gpus_it_needs"] == 16
+    assert gang["reclaims_after_placed"] == 0

@@ -5,7 +5,8 @@
 - no account gets more than it requested or than its limit;
 - the surplus goes by priority, then by weight;
 - reclaim never stops a container that is not over quota, nor one younger than its account's minimum runtime;
-- once demands stop changing, reclaims stop: no request is preempted and re-placed in a loop.
+- once demands stop changing, reclaims stop: no request is preempted and re-placed in a loop;
+- the same with waiting gangs among the requests, and no gang is ever partly placed.
 
 The examples are capped so CI stays in budget.
 """
@@ -18,7 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpumgr.manager.fairshare.shares import compute, rolled_up
+from gpumgr.manager.model.gangs import GangSpec
+from gpumgr.manager.model.records import PlacementSpec
 from gpumgr.manager.tenancy.accounts import AccountTree, leaves
+from gpumgr.wire.errors import Conflict
 from gpumgr.wire.names import State
 from tests.accounts_model import Accounts, account_tree
 
@@ -110,6 +114,56 @@ ACCOUNTS = {"x": {"quota": {"gpu_memory": 2 * U}, "over_quota_weight": 3, "recla
 LEAVES = ["x", "y", "z/p"]
 
 
+def play(sim: Accounts, action: str, account: str, count: int, quarters: int, flag: bool) -> None:
+    """One step of a script: ``count`` requests of ``quarters`` GiB (preemptible with ``flag``), a gang of 2 or 3
+    such members (on their own nodes when ``count`` > 2), an end of one of ``account``'s containers, or time."""
+    try:
+        if action == "ask":
+            for _ in range(count):
+                sim.ask(account, 1, quarters * U, preemptible=flag)
+        elif action == "gang":
+            member = PlacementSpec(memory=quarters * U, count=1, placement="spread", image="img", command=[],
+                                   preemptible=flag)
+            sim.cluster.submit_gang(GangSpec(member, 2 + count % 2, one_per_node=count > 2),
+                                    tenant=sim.tenants[account], queue=True)
+    except Conflict as exc:  # over_quota for one that may never run: refused, nothing kept
+        assert exc.code == "over_quota"
+    if action == "end":
+        running = [r for r in sim.cluster.containers() if r.state is State.RUNNING and r.account == account]
+        if running:
+            sim.cluster.finish(running[0].id, State.EXITED, exit_code=0)
+    elif action == "step":
+        sim.step(float(count))
+    sim.check()
+    no_gang_in_part(sim)
+
+
+def settles(sim: Accounts) -> None:
+    """Reclaim stopped only old enough over-quota containers; with demands fixed from here (what was stopped asks
+    again), reclaims stop: nothing is preempted and re-placed in a loop."""
+    for victim in sim.reclaimed:
+        assert victim.over_quota and victim.reason == "reclaimed", victim
+        assert sim.chosen[victim.id] >= ACCOUNTS[victim.account or ""]["reclaim_min_runtime"], victim
+    quiet = 0
+    for _ in range(400):
+        quiet = 0 if sim.step(1.0, resubmit=True) else quiet + 1
+        no_gang_in_part(sim)
+        if quiet >= 60:
+            break
+    assert quiet >= 60, "reclaims went on with demands fixed: a loop"
+    sim.check()
+
+
+def no_gang_in_part(sim: Accounts) -> None:
+    """No gang is partly placed: a waiting one has no members, a live one has every member placed."""
+    for gang in sim.cluster.gangs.gangs.values():
+        states = [sim.cluster.get(m).state for m in gang.members]
+        if gang.state == "queued":
+            assert not gang.members
+        elif gang.state in ("creating", "running"):
+            assert len(states) == gang.spec.replicas and State.QUEUED not in states
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hog=st.sampled_from(LEAVES),
        script=st.lists(st.tuples(st.sampled_from(["ask", "ask", "end", "step"]), st.sampled_from(LEAVES),
@@ -119,32 +173,22 @@ def test_reclaim_stops_only_old_enough_over_quota_containers_and_settles(
         hog: str, script: list[tuple[str, str, int, int, bool]]) -> None:
     sim = Accounts(ACCOUNTS, nodes=1, gpus=3, gpu_memory=4 * U, leaves=LEAVES)
     sim.ask(hog, 6, 2 * U)  # one account borrows the idle cluster first: the others' asks owe reclaim
-    for action, account, count, quarters, preemptible in script:
-        if action == "ask":
-            for _ in range(count):
-                try:
-                    sim.ask(account, 1, quarters * U, preemptible=preemptible)
-                except Exception as exc:  # over_quota for one that may never run: refused, nothing kept
-                    assert getattr(exc, "code", "") == "over_quota"
-        elif action == "end":
-            running = [r for r in sim.cluster.containers() if r.state is State.RUNNING and r.account == account]
-            if running:
-                sim.cluster.finish(running[0].id, State.EXITED, exit_code=0)
-        else:
-            sim.step(float(count))
-        sim.check()
-    for victim in sim.reclaimed:
-        assert victim.over_quota, victim
-        assert victim.reason == "reclaimed"
-        assert sim.chosen[victim.id] >= ACCOUNTS[victim.account or ""]["reclaim_min_runtime"], victim
-    # demands are fixed from here (what was stopped asks again): reclaims must stop
-    quiet = 0
-    for _ in range(400):
-        if sim.step(1.0, resubmit=True):
-            quiet = 0
-        else:
-            quiet += 1
-        if quiet >= 60:
-            break
-    assert quiet >= 60, "reclaims went on with demands fixed: a loop"
-    sim.check()
+    for step in script:
+        play(sim, *step)
+    settles(sim)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hog=st.sampled_from(LEAVES),
+       script=st.lists(st.tuples(st.sampled_from(["ask", "gang", "gang", "end", "step"]), st.sampled_from(LEAVES),
+                                 st.integers(1, 4), st.sampled_from([1, 2, 4]), st.booleans()),
+                       min_size=1, max_size=30))
+def test_waiting_gangs_are_reclaimed_for_whole_by_the_same_rules_and_it_settles(
+        hog: str, script: list[tuple[str, str, int, int, bool]]) -> None:
+    """Gangs among single requests: reclaim (for either) stops only old enough over-quota containers, no gang
+    is ever partly placed, and once demands stop changing reclaims stop."""
+    sim = Accounts(ACCOUNTS, nodes=3, gpus=2, gpu_memory=4 * U, leaves=LEAVES)
+    sim.ask(hog, 6, 4 * U)  # one account borrows the idle cluster first: the others' asks owe reclaim
+    for step in script:
+        play(sim, *step)
+    settles(sim)

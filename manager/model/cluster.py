@@ -74,6 +74,8 @@ class Cluster(Terms, MapReads, GangCalls):
         self.gangs = Gangs(self.life, self.reconciler.follow_up, lambda: self.new_id(), lambda: self.create_timeout,
                            lambda: self.reconciler.disrupted)
         self.dispatcher.fair.gangs_waiting = self.gangs.waiting_by_account
+        self.dispatcher.fair.gangs = self.gangs  # with accounts a waiting gang is an entry of its account's line
+        self.gangs.walk = lambda: self._placed_by_walk(self.dispatcher.walk())
         self.gangs.may_stop = self.dispatcher.may_stop
         #: a node answered a command (``reply``), or did not (``error``): the follow-up commands (under the lock)
         self.settle: Callable[..., list[Command]] = self.replies.answer
@@ -242,7 +244,7 @@ class Cluster(Terms, MapReads, GangCalls):
         request = request_for(spec, spec.memory)  # an InvalidRequest here leaves nothing behind
         if self.quotas.accounts is not None:
             queue = self.quotas.admit(record, queue)
-        if not queue and not len(self.queue):  # the common case: nothing waits, place as always
+        if not queue and not len(self.queue) and not self._gangs_in_line():  # the common case: nothing waits
             try:
                 slots = place(self.ledger.index, request)
             except NoFit as exc:
@@ -321,7 +323,7 @@ class Cluster(Terms, MapReads, GangCalls):
         self.wake.clear()
         with self.lock:
             self.dispatcher.expire()
-            if len(self.queue):
+            if len(self.queue) or self._gangs_in_line():
                 self._placed_by_walk(self.dispatcher.walk())
             commands, self._to_send = self._to_send, []
             placed, self._hooks_placed = [r for r in self._hooks_placed if r.state is State.CREATING], []
@@ -331,6 +333,10 @@ class Cluster(Terms, MapReads, GangCalls):
                 self.journal.rewrite([self.life.journal_entry(self.ledger.records[c]) for c in self.queue.ids()]
                                      + self.gangs.journal_entries())
         return commands, placed
+
+    def _gangs_in_line(self) -> bool:
+        """With accounts, waiting gangs are in the fair walk's lines: nothing is placed but by a walk."""
+        return bool(self.gangs.waiting) and self.quotas.accounts is not None
 
     def _placed_by_walk(self, placed: list[Container]) -> None:
         """Records a walk placed for others: their creates begin now (under the lock) and are sent by the dispatcher."""

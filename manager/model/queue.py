@@ -78,6 +78,10 @@ class WaitQueue:
         """The effective priority of a request of ``priority`` queued at ``queued_at``, at ``now``."""
         return priority + max(0.0, now - queued_at) / self.aging
 
+    def before(self, priority: int, queued_at: float) -> int:
+        """How many queued requests come before one of ``priority`` queued at ``queued_at`` (ahead of its ties)."""
+        return int(self._order.bisect_left((-(priority - queued_at / self.aging),)))
+
     def ids(self) -> Iterator[str]:
         """Ids in order without copying the whole list (the caller must not change the queue meanwhile)."""
         return (key[2] for key in self._order)

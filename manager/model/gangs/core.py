@@ -68,13 +68,17 @@ class Gangs(Waiting):
         self.holding: dict[str, str] = {}
         #: the head gang's held GPUs and bytes, kept while it stays the head and its GPUs stay schedulable
         self.hold_plan: tuple[str, list[tuple[str, int]]] | None = None
+        self.to_send: list[Command] = []
+        #: a walk of the queue placing what fits (the cluster's), and the gang a submit tries in it (whether it waits)
+        self.walk: Callable[[], None] = lambda: None
+        self.trying: tuple[str, bool] | None = None
         life.member_ended = self.member_ended
         life.member_adopted = self.adopted
 
     def clear(self) -> None:
         """Forget every gang (the map starts from nothing)."""
         self.gangs, self.waiting, self.ports, self.holding, self.hold_plan = {}, [], {}, {}, None
-        self.making_room = {}
+        self.making_room, self.to_send = {}, []
 
     # --- placing ---------------------------------------------------------------------------------
     def submit(self, spec: GangSpec, *, tenant: Tenant | None, queue: bool,
@@ -92,6 +96,8 @@ class Gangs(Waiting):
             if not self._account_allows(gang):
                 self._over_quota(gang, queue)
                 raise NoFit("its account may not run it now: it waits for its account's allocation to fall")
+            if self._in_line():
+                return gang, self._take_turn(gang, queue)
             plan = plan_gang(self.ledger.index, request_for(member, member.memory), spec.replicas, spec.one_per_node)
         except (NoFit, NoAgents) as exc:
             if not queue:
@@ -305,7 +311,7 @@ class Gangs(Waiting):
     def dispatch(self) -> list[Command]:
         """Grace timers, stops of ended gangs' members, and waiting gangs placed whole: the commands to send."""
         now = self.life.clock.monotonic()
-        commands: list[Command] = []
+        commands, self.to_send = self.to_send, []  # the creates of gangs the fair walk placed
         for gang in [g for g in self.gangs.values() if g.state in ("creating", "running")]:
             self._tick(gang, now)
         for gang in self.gangs.values():
@@ -323,6 +329,7 @@ class Gangs(Waiting):
                     if follow is not None:
                         commands.append(follow)
         self._release_holds()
+        fair = self.life.quotas.accounts is not None  # with accounts the fair walk tries them, in their accounts' lines
         for gid in self.in_order():
             gang = self.gangs[gid]
             if gang.expires_mono is not None and now >= gang.expires_mono:
@@ -331,7 +338,7 @@ class Gangs(Waiting):
                     self.life.clock.time()
                 continue
             wanted = gang.spec.member
-            if not self._account_allows(gang) or not self._tenant_allows(gang):
+            if fair or not self._account_allows(gang) or not self._tenant_allows(gang):
                 continue
             try:
                 plan = plan_gang(self.ledger.index, request_for(wanted, wanted.memory), gang.spec.replicas,

@@ -13,11 +13,12 @@ from typing import Any
 
 from gpumgr.manager.model.gangs.spec import Gang, GangSpec
 from gpumgr.manager.model.lifecycle import Lifecycle
-from gpumgr.manager.model.records import Container, PlacementSpec
-from gpumgr.manager.model.walk.dispatch import request_for
+from gpumgr.manager.model.records import Command, Container, PlacementSpec
+from gpumgr.manager.model.walk.dispatch import preempt_for, request_for
+from gpumgr.manager.model.walk.sharing import GangEntry
 from gpumgr.manager.placing.gang import hold_targets, plan_gang
-from gpumgr.wire.errors import NoAgents, NoFit, QuotaExceeded
-from gpumgr.wire.names import LIVE, EventType, State
+from gpumgr.wire.errors import Conflict, NoAgents, NoFit, QuotaExceeded
+from gpumgr.wire.names import LIVE, State
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,14 @@ class Waiting:
     making_room: dict[str, set[str]]
     reserve_after: float
     may_stop: Callable[[Container, float], bool]
+    #: creates of gangs the fair walk placed, for the next dispatch to send
+    to_send: list[Command]
+
+    walk: Callable[[], None]
+    trying: tuple[str, bool] | None
+
+    def _start(self, gang: Gang, plan: list[list[Any]]) -> list[Command]:
+        raise NotImplementedError  # core's: the plan granted to fresh members
 
     # --- waiting, kept in the queue's journal ----------------------------------------------------
     def _wait(self, gang: Gang) -> None:
@@ -134,38 +143,121 @@ class Waiting:
         member, accounts = gang.spec.member, self.life.quotas.accounts
         account = accounts.account_of(gang.tenant) if accounts is not None else None
         now = self.life.clock.monotonic()
+
+        def eligible(victim: Container) -> bool:
+            return (victim.state is State.RUNNING and victim.desired is State.RUNNING and victim.op is None
+                    and victim.priority < member.priority and victim.gang is None
+                    and (account is None or victim.account == account) and self.may_stop(victim, now))
+
+        pool = [r for cid in ledger.preemptible if (r := records.get(cid)) is not None]
+        chosen = self.cheapest_victims(gang.id, eligible, lambda r: (r.priority, -r.created_at), pool)
+        preempt_for(self.life, self.making_room, chosen, gang.id, f"waiting gang {gang.id}", member.priority)
+
+    def plan_preemption(self, gid: str) -> None:
+        """The fair walk's call: priority preemption for waiting gang ``gid``, inside its own account."""
+        self._plan_preemption(self.gangs[gid])
+
+    def cheapest_victims(self, gid: str, eligible: Callable[[Container], bool], order: Callable[[Container], Any],
+                         pool: list[Container] | None = None) -> list[Container]:
+        """The ``eligible`` containers of ``pool`` whose grants, once freed, let waiting gang ``gid`` fit whole.
+
+        The gang is planned with what they would free counted as free (and the room held for it), then on each
+        GPU of that plan they are taken in ``order`` until its members there fit. Empty if it would not fit.
+        """
+        gang, ledger = self.gangs[gid], self.ledger
+        member = gang.spec.member
         candidates: dict[str, list[Container]] = {}
-        for cid in ledger.preemptible:
-            victim = records.get(cid)
-            if (victim is not None and victim.state is State.RUNNING and victim.desired is State.RUNNING
-                    and victim.op is None and victim.priority < member.priority and victim.gang is None
-                    and (account is None or victim.account == account) and self.may_stop(victim, now)):
+        for victim in pool or ():
+            if eligible(victim):
                 for uuid in victim.gpus:
-                    candidates.setdefault(uuid, []).append(victim)
+                    if self.holding.get(uuid, gid) == gid:  # what frees on a GPU held for another gang is that gang's
+                        candidates.setdefault(uuid, []).append(victim)
         if not candidates:
-            return
-        more = {uuid: sum(v.held for v in found) for uuid, found in candidates.items()}
+            return []
+        own = self._own_holds(gid)
+        more = {uuid: sum(v.held for v in found) + own.get(uuid, 0) for uuid, found in candidates.items()}
         try:
             plan = plan_gang(ledger.index, request_for(member, member.memory), gang.spec.replicas,
-                             gang.spec.one_per_node, more)
+                             gang.spec.one_per_node, {**own, **more})
         except (NoFit, NoAgents):
-            return  # it would not fit even so
+            return []  # it would not fit even so: nothing is stopped for part of it
+        wanted: dict[str, int] = {}
+        slots = {}
+        for slot in (s for member_slots in plan for s in member_slots):
+            wanted[slot.uuid] = wanted.get(slot.uuid, 0) + member.memory
+            slots[slot.uuid] = slot
         chosen: dict[str, Container] = {}
-        for slots in plan:
-            for slot in slots:
-                free = slot.free
-                for victim in sorted(candidates.get(slot.uuid, []), key=lambda r: (r.priority, -r.created_at)):
-                    if free >= member.memory:
-                        break
-                    if victim.id not in chosen:
-                        chosen[victim.id] = victim
-                        free += victim.held
-        self.making_room[gang.id] = set(chosen)
-        for victim in chosen.values():
-            self.life.desire(victim, State.PREEMPTED, preempted_for=gang.id)
-            self.life.event(EventType.PREEMPTED, f"stopping preemptible container (priority {victim.priority}) to "
-                            f"make room for waiting gang {gang.id} (priority {member.priority})", victim,
-                            preempted_for=gang.id)
+        for uuid, need in wanted.items():
+            free = slots[uuid].free + own.get(uuid, 0) + sum(v.held for v in chosen.values() if uuid in v.gpus)
+            for victim in sorted(candidates.get(uuid, []), key=order):
+                if free >= need:
+                    break
+                if victim.id not in chosen:
+                    chosen[victim.id] = victim
+                    free += victim.held
+        return list(chosen.values())
+
+    def _own_holds(self, gid: str) -> dict[str, int]:
+        """The bytes held for waiting gang ``gid`` by GPU (its reservation): free for it, and for nothing else."""
+        return {uuid: gpu.gang_hold for uuid, holder in self.holding.items()
+                if holder == gid and (gpu := self.ledger.gpus.get(uuid)) is not None}
+
+    # --- with accounts: entries of their accounts' lines in the fair walk ---------------------------
+    def entries(self) -> list[GangEntry]:
+        """The waiting gangs the fair walk tries, as entries of their accounts' lines; one its tenant's quota holds
+        back, or whose queue_timeout ran out (it expires in this dispatch), is stepped over."""
+        accounts = self.life.quotas.accounts
+        assert accounts is not None
+        now = self.life.clock.monotonic()
+        return [GangEntry(g.id, accounts.account_of(g.tenant), g.spec.member.priority, g.waiting_mono or 0.0,
+                          self.total(g), g.spec.member.preemptible, waits=self.trying != (g.id, False))
+                for g in (self.gangs[gid] for gid in self.waiting)
+                if (g.expires_mono is None or now < g.expires_mono) and self._tenant_allows(g)]
+
+    def _in_line(self) -> bool:
+        """With accounts, while anything waits a new gang takes its turn in the fair walk (it jumps no line)."""
+        return self.life.quotas.accounts is not None and bool(len(self.life.queue) or self.waiting)
+
+    def _take_turn(self, gang: Gang, waits: bool) -> list[Command]:
+        """A new gang's turn in its account's line, in a walk of the fair order (owed room there only if it
+        ``waits``): its members' creates if the walk placed it; NoFit if it did not."""
+        self.gangs[gang.id], gang.waiting_mono, self.trying = gang, self.life.clock.monotonic(), (gang.id, waits)
+        self.waiting.append(gang.id)
+        try:
+            self.walk()
+        finally:
+            self.trying = None
+        if gang.id in self.waiting:  # not placed: it waits (journaled then) or is refused
+            self.waiting.remove(gang.id)
+            del self.gangs[gang.id]
+            raise NoFit("it does not fit whole now, or requests before it in the fair order take the room")
+        mine = [c for c in self.to_send if c.record.gang == gang.id]
+        self.to_send = [c for c in self.to_send if c.record.gang != gang.id]
+        return mine
+
+    def place(self, gid: str) -> bool:
+        """Place waiting gang ``gid`` whole now if it fits (the room held for it counted): its members' creates
+        wait in ``to_send`` for the dispatcher. False if it does not fit."""
+        gang, ledger = self.gangs[gid], self.ledger
+        member, own = gang.spec.member, self._own_holds(gid)
+        try:
+            plan = plan_gang(ledger.index, request_for(member, member.memory), gang.spec.replicas,
+                             gang.spec.one_per_node, own or None)
+        except (NoFit, NoAgents):
+            return False
+        if own:
+            self._release_holds()  # what was held for it is its now
+        try:
+            self.to_send += self._start(gang, plan)
+        except Conflict:
+            return False  # every gang port of its master's host is taken: nothing was granted; it waits
+        if self.trying is not None and self.trying[0] == gid:
+            self.waiting.remove(gid)  # a submit's own try: never journaled
+        else:
+            self._unwait(gang)
+        self.making_room.pop(gang.id, None)
+        ledger.wake.set()
+        return True
 
     def in_order(self) -> list[str]:
         """The waiting gangs in the order they are tried: highest priority first, then first come."""

@@ -70,6 +70,18 @@ def take_slots(record: Container, slots: list[GpuSlot]) -> None:
     record.node, record.gpus, record.topology = slots[0].node, [s.uuid for s in slots], link_of(slots)
 
 
+def preempt_for(life: Lifecycle, making_room: dict[str, set[str]], victims: list[Container], head: str, what: str,
+                priority: int) -> None:
+    """Mark ``victims`` to stop for request ``head`` (``what``, of ``priority``); the reconciler stops them."""
+    if not victims:
+        return
+    making_room[head] = {v.id for v in victims}
+    for victim in victims:
+        life.desire(victim, State.PREEMPTED, preempted_for=head)
+        life.event(EventType.PREEMPTED, f"stopping preemptible container (priority {victim.priority}) to make room "
+                   f"for {what} (priority {priority})", victim, preempted_for=head)
+
+
 @dataclass
 class Refusals:
     """A preemptible record its node refused to stop: how many times, and when it may be chosen again (monotonic)."""
@@ -214,14 +226,7 @@ class Dispatch:
                     and (not same_account or victim.account == head.account))
 
         victims = self.cheapest_victims(head, eligible, lambda r: (r.priority, -r.created_at))
-        if not victims:
-            return
-        self.making_room[head.id] = {v.id for v in victims}
-        for victim in victims:
-            self.life.desire(victim, State.PREEMPTED, preempted_for=head.id)
-            self.life.event(EventType.PREEMPTED, f"stopping preemptible container (priority {victim.priority}) to "
-                            f"make room for queued request {head.id} (priority {head.priority})", victim,
-                            preempted_for=head.id)
+        preempt_for(self.life, self.making_room, victims, head.id, f"queued request {head.id}", head.priority)
 
     def may_stop(self, victim: Container, now: float) -> bool:
         """False while ``victim``'s node refused to stop it and it backs off (or for good)."""
