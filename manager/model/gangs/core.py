@@ -165,7 +165,7 @@ class Gangs(Waiting):
             assert record.op is not None
             commands.append(Command(OpKind.CREATE, record, record.op))
             gang.members.append(record.id)
-        gang.state, gang.first_exit_mono, gang.node_down_mono = "creating", None, None
+        gang.state, gang.first_exit_mono, gang.node_down_mono, gang.grace_paused_mono = "creating", None, None, None
         self.life.outcome("placed")
         self.life.events.record(EventType.PLACED, f"gang {gang.id}: {spec.replicas} members placed at once on "
                                 f"{', '.join(sorted({s[0].node for s in plan}))}; master {gang.master_addr}:"
@@ -222,7 +222,7 @@ class Gangs(Waiting):
             gang.members.sort(key=lambda m: r.rank if (r := self.ledger.records.get(m)) is not None
                               and r.rank is not None else size)
         if len(gang.members) >= size:
-            gang.node_down_mono = None
+            gang.node_down_mono = gang.grace_paused_mono = None
 
     def _host_of(self, record: Container, addr: str) -> str:
         node = self.ledger.nodes.get(record.node)
@@ -356,20 +356,33 @@ class Gangs(Waiting):
                       f"({self.exit_grace:g}s) of the first", restart=True)
             return
         if len(members) < gang.spec.replicas:  # rebuilt from its nodes: the rest have gang_grace to come back
-            if gang.node_down_mono is not None and now - gang.node_down_mono > self.node_grace \
-                    and not self.disrupted():
+            if self._grace_over(gang, now):
                 self._end(gang, "failed", f"{gang.spec.replicas - len(members)} member(s) never came back within "
                           f"gang_grace ({self.node_grace:g}s) after the manager's restart", restart=True)
             return
         down = [m for m in members if m.state in LIVE and (n := self.ledger.nodes.get(m.node)) is not None
                 and not n.ready]
-        if not down or self.disrupted():
-            gang.node_down_mono = None if not down else gang.node_down_mono
+        if not down:
+            gang.node_down_mono = gang.grace_paused_mono = None
             return
-        gang.node_down_mono = gang.node_down_mono or now
-        if now - gang.node_down_mono > self.node_grace:
+        if gang.node_down_mono is None:
+            gang.node_down_mono = now
+        if self._grace_over(gang, now):
             self._end(gang, "failed", f"member {down[0].rank}'s node {down[0].node} was down for over gang_grace "
                       f"({self.node_grace:g}s)", restart=True)
+
+    def _grace_over(self, gang: Gang, now: float) -> bool:
+        """Whether a member waited for ran out of ``gang_grace``. The zone rule pauses the wait: a partition is not
+        a death, so its time does not count, and the wait resumes where it stopped once the rule no longer holds."""
+        if self.disrupted():
+            if gang.grace_paused_mono is None:
+                gang.grace_paused_mono = now
+            return False
+        if gang.grace_paused_mono is not None:
+            if gang.node_down_mono is not None:
+                gang.node_down_mono += now - gang.grace_paused_mono
+            gang.grace_paused_mono = None
+        return gang.node_down_mono is not None and now - gang.node_down_mono > self.node_grace
 
     def _started(self, gang: Gang) -> None:
         """A gang ``creating`` is ``running`` once every member runs."""
