@@ -2,7 +2,7 @@
 
 Real parts: a ``gpumgr manager`` process, four ``gpumgr agent`` processes driving the Docker engine on
 simulated GPUs, real containers read back with ``docker inspect``, members meeting over real sockets
-(busybox ``nc`` on the host network), and the invariant at the end of each test.
+(busybox ``nc``, on the host network and on a named network), and the invariant at the end of each test.
 """
 
 from __future__ import annotations
@@ -231,11 +231,13 @@ def test_a_gang_survives_a_kill_9_of_the_manager_and_still_ends_as_one(tmp_path,
                                                                        cleanup_containers):
     nodes = ["gang-r0", "gang-r1"]
     manager = ManagerProc(tmp_path)
-    agents = [AgentProc(tmp_path, manager, node, gpus="sim:1x8GiB") for node in nodes]
+    agents = [AgentProc(tmp_path, manager, node, gpus="sim:1x8GiB", env={"GPUMGR_ADVERTISE_ADDR": "127.0.0.3"})
+              for node in nodes]  # where other hosts reach them, as the agents' setting says
     try:
         made = gang(manager, test_image, 2, gpu_memory="6GiB")
         assert made.status_code == 201, made.text
         before = made.json()
+        assert before["master_addr"] == "127.0.0.3"
         waiting = gang(manager, test_image, 2, gpu_memory="6GiB", queue=True)  # no room: it waits whole
         assert waiting.status_code == 202, waiting.text
         manager.stop(signal.SIGKILL)

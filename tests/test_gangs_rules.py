@@ -1,6 +1,7 @@
 """Gangs' rules on the cluster map (issue 35), beside ``test_gangs_model.py``: the zone rule pausing
 ``gang_grace``, master ports taken per host and released, a gang's ``queue_timeout``, and where the master is
-(rank 0's node with host networking and ``NCCL_SOCKET_IFNAME``; rank 0's container name on a named network)."""
+(rank 0's node with host networking and ``NCCL_SOCKET_IFNAME``; rank 0's container name on a named network),
+and the address an agent advertises by default."""
 
 from __future__ import annotations
 
@@ -116,3 +117,18 @@ def test_with_host_networking_nccl_leaves_out_docker_and_lo_and_on_a_named_netwo
     assert {r.env["PET_MASTER_ADDR"] for r in records} == {"job-0"}  # rank 0's container name on the network
     assert all("NCCL_SOCKET_IFNAME" not in r.env for r in records)
     world.check()
+
+
+def test_an_agent_advertises_the_local_address_of_its_own_way_to_the_manager_by_default() -> None:
+    import socket
+
+    from gpumgr.agent.managers import local_address
+
+    assert local_address("tcp://127.0.0.1:9401,tcp://10.9.9.9:9401") == "127.0.0.1"  # the first manager's route
+    assert local_address("ipc:///run/gpumgr/agents.sock") == local_address("tcp://*:9401") == "127.0.0.1"
+    assert local_address("udp://nowhere") == ""  # no manager address: nothing to advertise, never a guess
+    outside = local_address("tcp://192.0.2.1:9401")  # a documentation address: the default route's source, if any
+    if outside:  # (a host with no route out answers "")
+        assert not outside.startswith("127.")
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.bind((outside, 0))  # one of this host's own addresses
