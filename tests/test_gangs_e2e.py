@@ -139,9 +139,10 @@ def test_docker_kill_of_one_member_stops_the_others_and_restart_gang_brings_it_b
 
 def test_a_failed_member_create_removes_the_others_and_answers_as_one_container_would(clean, test_image):
     manager = clean
-    failed = gang(manager, "gpumgr-test/no-such-image:1", 3)
+    failed = gang(manager, "gpumgr-test/no-such-image:1", 3, restart="gang", max_restarts=1)
     assert failed.status_code == 400 and failed.json()["error"]["code"] == "image_not_found", failed.text
     gangs = [g for g in manager.get("/v1/gangs").json()["gangs"] if g["image"] == "gpumgr-test/no-such-image:1"]
+    # a failed create neither restarts the gang nor counts against max_restarts
     assert len(gangs) == 1 and gangs[0]["state"] == "failed" and gangs[0]["restart_count"] == 0
     wait_for(lambda: all(manager.get(f"/v1/containers/{m}").json()["state"] not in ("creating", "running")
                          for m in gangs[0]["members"]), 20, what="every member ended")
