@@ -41,7 +41,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.clock = LogicalClock()
         self.link = HeldLink(self.clock)
         config = ManagerSettings(state_dir=self.folder, heartbeat_interval=1.0, heartbeat_liveness=3,
-                                 create_timeout=10.0, remove_timeout=6.0, forget_after=600.0, burst_min_runtime=1.0)
+                                 create_timeout=10.0, remove_timeout=6.0, forget_after=600.0, burst_min_runtime=1.0,
+                                 gang_grace=8.0, gang_exit_grace=5.0)  # gangs end within a few steps
         self.manager = Manager(config, link=self.link, clock=self.clock)
         counter = iter(range(1, 1 << 30))
         self.manager.cluster.new_id = lambda: f"r{next(counter):06d}"  # replays draw the same ids
