@@ -165,6 +165,9 @@ def test_after_gang_reserve_after_room_is_held_for_a_waiting_gang_and_nothing_el
 
     # gang_reserve_after is 4 s here: then the free GPUs are held for it, whole, and the busy one's free half
     wait_for(lambda: held() == {NODES[0]: 4 * GiB, **{n: 8 * GiB for n in NODES[1:]}}, 10, what="room held")
+    gauges = [line.rsplit(" ", 1) for line in manager.get("/metrics").text.splitlines()
+              if line.startswith("gpumgr_gpu_memory_reserved_for_gang_bytes{") and any(f'"{n}"' in line for n in NODES)]
+    assert sorted(float(value) for _, value in gauges) == [4 * GiB] + [8 * GiB] * 3  # and in the metrics
     refused = manager.http.post(manager.url + "/v1/containers", json=small, timeout=90)
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "no_fit", refused.text
     manager.http.delete(manager.url + f"/v1/containers/{first.json()['id']}", timeout=60)
