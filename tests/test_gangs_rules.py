@@ -5,7 +5,10 @@ and the address an agent advertises by default."""
 
 from __future__ import annotations
 
+import pytest
+
 from gpumgr.manager.model.gangs import GangSpec
+from gpumgr.wire.errors import NoFit
 from gpumgr.wire.names import State
 from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuSample
 from tests.test_gangs_model import G, Map, member
@@ -132,3 +135,28 @@ def test_an_agent_advertises_the_local_address_of_its_own_way_to_the_manager_by_
         assert not outside.startswith("127.")
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.bind((outside, 0))  # one of this host's own addresses
+
+
+def test_a_host_out_of_gang_ports_is_no_room_the_gang_waits_for_or_is_refused() -> None:
+    world = Map(nodes=0)
+    for n in range(2):  # two nodes of one host, and one port for gangs
+        world.cluster.register(f"n{n}", f"n{n}".encode(), "docker",
+                               [GpuInfo(uuid=f"n{n}-g0", index=0, name="Sim", memory_total=G)], [],
+                               advertise_addr="10.0.0.1")
+    world.cluster.gangs.port_range = (29500, 29500)
+    first, commands = world.cluster.submit_gang(GangSpec(member(G // 2, node="n0"), 2, one_per_node=False))
+    world.answer(commands)
+    with pytest.raises(NoFit) as refused:
+        world.cluster.submit_gang(GangSpec(member(G // 2, node="n1"), 2, one_per_node=False))
+    assert refused.value.code == "no_fit" and "gang_ports" in refused.value.message
+    assert [g.id for g in world.cluster.gangs.gangs.values()] == [first.id]  # nothing recorded for it
+    waiting, commands = world.cluster.submit_gang(GangSpec(member(G // 2, node="n1"), 2, one_per_node=False),
+                                                  queue=True)
+    assert commands == [] and world.view(waiting.id)["state"] == "queued"
+    world.dispatch()  # room on n1, but no port: it waits on
+    assert world.view(waiting.id)["state"] == "queued" and waiting.id in world.cluster.gangs.waiting
+    for cid in first.members:
+        world.cluster.finish(cid, State.EXITED, exit_code=0)
+    world.dispatch()
+    assert world.view(waiting.id)["state"] == "running" and world.view(waiting.id)["master_port"] == 29500
+    world.check()

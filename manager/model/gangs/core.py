@@ -93,6 +93,7 @@ class Gangs(Waiting):
                 self._over_quota(gang, queue)
                 raise NoFit("its account may not run it now: it waits for its account's allocation to fall")
             plan = plan_gang(self.ledger.index, request_for(member, member.memory), spec.replicas, spec.one_per_node)
+            self._check_port(plan)
         except (NoFit, NoAgents) as exc:
             if not queue:
                 raise NoFit(f"{exc.message}; send \"queue\": true to wait for room") from None
@@ -137,8 +138,7 @@ class Gangs(Waiting):
     def _start(self, gang: Gang, plan: list[list[Any]]) -> list[Command]:
         """Grant ``plan`` to fresh members of ``gang``: their records join the map ``creating``."""
         spec, member = gang.spec, gang.spec.member
-        first = self.ledger.nodes.get(plan[0][0].node)
-        gang.port_host = (first.advertise_addr if first is not None else "") or "127.0.0.1"
+        gang.port_host = self._master_host(plan)
         gang.master_port = self._take_port(gang.port_host)
         base = member.name or f"gpumgr-gang-{gang.id}"
         names = [f"{base}-{rank}" + (f"-r{gang.restart_count}" if gang.restart_count else "")
@@ -172,15 +172,30 @@ class Gangs(Waiting):
                                 f"{gang.master_port}", gang=gang.id)
         return commands
 
-    def _take_port(self, host: str) -> int:
-        used = self.ports.setdefault(host, set())
+    def _master_host(self, plan: list[list[Any]]) -> str:
+        """The host of rank 0's node in ``plan``: where the master listens, and whose gang ports it takes."""
+        first = self.ledger.nodes.get(plan[0][0].node)
+        return (first.advertise_addr if first is not None else "") or "127.0.0.1"
+
+    def _free_port(self, host: str) -> int | None:
+        """The lowest port of ``gang_ports`` no gang holds on ``host`` (None: every one is taken)."""
+        used = self.ports.get(host, set())
         low, high = self.port_range
-        for port in range(low, high + 1):
-            if port not in used:
-                used.add(port)
-                return port
-        raise Conflict(f"every port of gang_ports {low}-{high} on host {host} is taken by a gang; try again when "
-                       "one ends", code="no_fit")
+        return next((port for port in range(low, high + 1) if port not in used), None)
+
+    def _check_port(self, plan: list[list[Any]]) -> None:
+        """NoFit when rank 0's host has no gang port left: a port is room too, the gang waits for it or is no_fit."""
+        host = self._master_host(plan)
+        if self._free_port(host) is None:
+            low, high = self.port_range
+            raise NoFit(f"every port of gang_ports {low}-{high} on host {host} is held by a gang; one frees when its "
+                        "gang ends")
+
+    def _take_port(self, host: str) -> int:
+        port = self._free_port(host)
+        assert port is not None  # its plan passed _check_port under the same lock
+        self.ports.setdefault(host, set()).add(port)
+        return port
 
     def _release_port(self, gang: Gang) -> None:
         if gang.port_host is not None and gang.master_port is not None:
@@ -341,6 +356,8 @@ class Gangs(Waiting):
                 continue
             except NoAgents:
                 continue
+            if self._free_port(self._master_host(plan)) is None:
+                continue  # its room is there but not a port on its master's host: it waits on, holding nothing
             self._unwait(gang)
             self.making_room.pop(gang.id, None)
             commands += self._start(gang, plan)
