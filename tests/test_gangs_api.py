@@ -89,3 +89,15 @@ def test_the_operators_policy_must_allow_a_gangs_network(stack) -> None:
         assert {m.env.get("NCCL_SOCKET_IFNAME") for m in members} == {"^docker,lo" if network == "host" else None}
         assert client.delete(f"/v1/gangs/{made.json['id']}",
                              headers={"Authorization": f"Bearer {token}"}).json["state"] == "removed"
+
+
+def test_a_member_create_no_node_answers_is_a_502_as_a_containers_and_the_gang_ends_without_restarting(tmp_path):
+    with scripted_stack(tmp_path, create_timeout=1.0, remove_timeout=1.0) as (_, client, add_agent):
+        add_agent("silent", gpus=2, behaviour="silent")  # an agent that never answers a create
+        answer = client.post("/v1/gangs", json={"image": "img", "gpu_memory": "1GiB", "replicas": 2,
+                                                "one_per_node": False, "restart": "gang", "max_restarts": 1})
+        assert answer.status_code == 502 and answer.json["error"]["code"] == "outcome_unknown", answer.json
+        (gang,) = client.get("/v1/gangs").json["gangs"]
+        assert gang["state"] == "removed" and gang["restart_count"] == 0  # ended whole, not placed again
+        for cid in gang["members"]:  # each member is to be removed, as an unanswered container's DELETE is
+            assert client.get(f"/v1/containers/{cid}").json["desired_state"] == "removed"
