@@ -105,6 +105,9 @@ def test_a_waiting_gang_holds_nothing_and_starts_whole_once_room_frees(clean, te
     gpus = [g for n in manager.get("/v1/nodes").json()["nodes"] for g in n["gpus"] if n["name"] in NODES]
     assert sum(g["memory_reserved"] for g in gpus) == 6 * GiB  # only the busy container's grant
     assert sum(g["memory_reserved_for_gang"] for g in gpus) == 0  # the waiting gang holds nothing
+    behind = manager.http.post(manager.url + "/v1/containers", json={  # backfill: a smaller request behind it runs
+        "image": test_image, "gpu_memory": "2GiB", "node": NODES[0], "command": ["sh", "-c", POLITE]}, timeout=90)
+    assert behind.status_code == 201, behind.text
     freed = time.monotonic()
     manager.http.delete(manager.url + f"/v1/containers/{busy.json()['id']}", timeout=60)
     running = wait_for(lambda: (v := gang_state(manager, waiting.json()["id"]))["state"] == "running" and v, 20,
