@@ -19,15 +19,15 @@ def beat(world: Map, silent: set[str]) -> None:
     for name, node in world.cluster.ledger.nodes.items():
         if name in silent:
             continue
-        statuses = [ContainerStatus(grant=r.id, container_id=f"c-{r.id}", state="running")
-                    for r in world.cluster.ledger.records.values() if r.node == name and r.state is State.RUNNING]
+        running = [r for r in world.cluster.ledger.records.values() if r.node == name and r.state is State.RUNNING]
         if node.ready:
             world.cluster.heartbeat(name, name.encode(), [GpuSample(uuid=f"{name}-g0", memory_used=0,
-                                                                    memory_unmanaged=0)], statuses)
+                                                                    memory_unmanaged=0)],
+                                    [ContainerStatus(grant=r.id, container_id=f"c-{r.id}", state="running")
+                                     for r in running])
         else:  # its registration carries what runs there
             reports = [ContainerReport(grant=r.id, container_id=f"c-{r.id}", gpus=r.gpus, gpu_memory=r.gpu_memory,
-                                       state="running", labels=r.labels, image="img")
-                       for r in world.cluster.ledger.records.values() if r.node == name and r.state is State.RUNNING]
+                                       state="running", labels=r.labels, image="img") for r in running]
             world.cluster.register(name, name.encode(), "docker",
                                    [GpuInfo(uuid=f"{name}-g0", index=0, name="Sim", memory_total=G)], reports,
                                    advertise_addr=node.advertise_addr)
