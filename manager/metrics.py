@@ -55,7 +55,7 @@ class MapCollector(Collector):
         unmanaged = GaugeMetricFamily("gpumgr_gpu_memory_unmanaged_bytes", "GPU memory in use that no managed "
                                       "container explains (other processes, the driver)", labels=gpu_labels)
         free = GaugeMetricFamily("gpumgr_gpu_memory_free_bytes", "GPU memory that can still be granted: total - "
-                                 "reserved - unmanaged - headroom - burst", labels=gpu_labels)
+                                 "reserved - unmanaged - headroom - burst - held for a gang", labels=gpu_labels)
         for node, uuid, index, model, t, u, r, m, f in snap.gpus:
             total.add_metric([node, uuid, str(index), model], t)
             used.add_metric([node, uuid], u)
@@ -66,6 +66,10 @@ class MapCollector(Collector):
                                   "(bursters): taken, though no grant reserves it", labels=gpu_labels)
         for node, uuid, b in snap.bursts:
             burst.add_metric([node, uuid], b)
+        held = GaugeMetricFamily("gpumgr_gpu_memory_reserved_for_gang_bytes", "GPU memory held for the waiting gang "
+                                 "that waited longest (gang_reserve_after): nothing else takes it", labels=gpu_labels)
+        for node, uuid, h in snap.gang_holds:
+            held.add_metric([node, uuid], h)
         shares = GaugeMetricFamily("gpumgr_gpu_compute_shares_percent", "Percent of an MPS GPU's SMs its live "
                                    "grants' compute shares take (at most 100)", labels=gpu_labels)
         for node, uuid, s in snap.shares:
@@ -98,7 +102,7 @@ class MapCollector(Collector):
                                   "operator's)", labels=["tenant"])
         for tenant, count in sorted(snap.queued.items()):
             queue.add_metric([tenant], count)
-        yield from (total, used, reserved, unmanaged, free, burst, shares, healthy, grant, cused, up, kills,
+        yield from (total, used, reserved, unmanaged, free, burst, held, shares, healthy, grant, cused, up, kills,
                     placements, queue)
         yield from account_families(self.cluster.accounts_view(OPERATOR) or [])
 

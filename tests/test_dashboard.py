@@ -391,3 +391,36 @@ def test_dashboard_shows_a_bursters_limit_and_the_gpus_burst(manager, test_image
         assert not severe(browser)
     finally:
         agent.stop()
+
+
+def test_dashboard_shows_room_held_for_a_waiting_gang_and_each_members_rank(tmp_path, test_image, browser,
+                                                                            cleanup_containers):  # issue 35
+    manager = ManagerProc(tmp_path, env={"GPUMGR_GANG_RESERVE_AFTER": "0"})  # room is held at once
+    agent = AgentProc(tmp_path, manager, "s35-dash", gpus="sim:2x8GiB")
+    try:
+        busy = manager.post("/v1/containers", json={"image": test_image, "name": "busy", "gpu_memory": "4GiB",
+                                                    "command": ["sh", "-c", POLITE]})
+        assert busy.status_code == 201, busy.text
+        waiting = manager.post("/v1/gangs", json={"image": test_image, "gpu_memory": "6GiB", "replicas": 2,
+                                                  "one_per_node": False, "queue": True,
+                                                  "command": ["sh", "-c", POLITE]})
+        assert waiting.status_code == 202, waiting.text
+        browser.get(manager.url + "/")
+        # 6 GiB of the free GPU, and the 4 GiB the busy one leaves: the bars draw them, the figures say them
+        held = wait_dom(browser, "const h = [...document.querySelectorAll('[data-memory-reserved-for-gang]')]"
+                                 ".map((e) => Number(e.dataset.memoryReservedForGang)).sort();"
+                                 "return h.length === 2 && h;", what="the room held for the gang")
+        assert held == [4 * GiB, 6 * GiB]
+        assert browser.execute_script("return document.querySelectorAll('.seg.gang-hold').length") == 2
+        manager.delete(f"/v1/containers/{busy.json()['id']}")
+        ranks = wait_dom(browser, "const m = [...document.querySelectorAll('[data-gang]')];"
+                                  "return m.length === 2 && m.map((e) => [e.dataset.gang, e.textContent]);",
+                         what="the gang's members")
+        gid = waiting.json()["id"]
+        assert sorted(ranks) == [[gid, f"gang {gid[:12]} · rank {r}"] for r in (0, 1)], ranks
+        wait_dom(browser, "return !document.querySelector('[data-memory-reserved-for-gang]');",
+                 what="the held room released once the gang is placed")
+        assert not severe(browser)
+    finally:
+        agent.stop()
+        manager.stop()

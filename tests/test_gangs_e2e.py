@@ -2,7 +2,7 @@
 
 Real parts: a ``gpumgr manager`` process, four ``gpumgr agent`` processes driving the Docker engine on
 simulated GPUs, real containers read back with ``docker inspect``, members meeting over real sockets
-(busybox ``nc`` on the host network), and the invariant at the end of each test.
+(busybox ``nc``, on the host network and on a named network), and the invariant at the end of each test.
 """
 
 from __future__ import annotations
@@ -73,15 +73,25 @@ def test_a_gang_starts_whole_with_ranks_and_rendezvous_and_five_members_never_fi
         assert env["GPUMGR_GANG"] == view["id"] and env["GPUMGR_GANG_RANK"] == str(rank)
         assert env["GPUMGR_GANG_SIZE"] == "4" and env["PET_NNODES"] == "4" and env["PET_NODE_RANK"] == str(rank)
         assert env["PET_NPROC_PER_NODE"] == "1" and env["PET_RDZV_ID"] == view["rdzv_id"]
+    # the agents advertise nothing: the master is the local address of their connection to the manager (loopback)
     assert {(e["PET_MASTER_ADDR"], e["PET_MASTER_PORT"]) for e in envs} == {("127.0.0.1", str(view["master_port"]))}
+    assert not any("NCCL_SOCKET_IFNAME" in e for e in envs)  # only with host networking
     never = gang(manager, test_image, 5)
     assert never.status_code == 409 and never.json()["error"]["code"] == "never_fits", never.text
     reserved = gang(manager, test_image, 2, env={"PET_MASTER_PORT": "1", "GPUMGR_GANG_RANK": "9"})
     assert reserved.status_code == 400 and "PET_MASTER_PORT" in reserved.json()["error"]["message"]
-    ended = manager.http.delete(manager.url + f"/v1/gangs/{view['id']}", timeout=60).json()
-    assert ended["state"] == "removed"
+    beside = gang(manager, test_image, 2)  # the four nodes share one host: its master port is another
+    assert beside.status_code == 201, beside.text
+    assert beside.json()["master_addr"] == "127.0.0.1" and beside.json()["master_port"] != view["master_port"]
+    patched = manager.http.patch(manager.url + f"/v1/containers/{view['members'][1]}", json={"gpu_memory": "5GiB"},
+                                 timeout=30)
+    assert patched.status_code == 409 and view["id"] in patched.json()["error"]["message"], patched.text
+    # a DELETE of one member ends its whole gang, and no other
+    manager.http.delete(manager.url + f"/v1/containers/{view['members'][2]}", timeout=60)
     wait_for(lambda: all(manager.get(f"/v1/containers/{m}").json()["state"] == "removed" for m in view["members"]),
              20, what="every member removed")
+    assert gang_state(manager, view["id"])["state"] == "removed"
+    assert gang_state(manager, beside.json()["id"])["state"] == "running"
 
 
 def test_a_waiting_gang_holds_nothing_and_starts_whole_once_room_frees(clean, test_image):
@@ -95,6 +105,9 @@ def test_a_waiting_gang_holds_nothing_and_starts_whole_once_room_frees(clean, te
     gpus = [g for n in manager.get("/v1/nodes").json()["nodes"] for g in n["gpus"] if n["name"] in NODES]
     assert sum(g["memory_reserved"] for g in gpus) == 6 * GiB  # only the busy container's grant
     assert sum(g["memory_reserved_for_gang"] for g in gpus) == 0  # the waiting gang holds nothing
+    behind = manager.http.post(manager.url + "/v1/containers", json={  # backfill: a smaller request behind it runs
+        "image": test_image, "gpu_memory": "2GiB", "node": NODES[0], "command": ["sh", "-c", POLITE]}, timeout=90)
+    assert behind.status_code == 201, behind.text
     freed = time.monotonic()
     manager.http.delete(manager.url + f"/v1/containers/{busy.json()['id']}", timeout=60)
     running = wait_for(lambda: (v := gang_state(manager, waiting.json()["id"]))["state"] == "running" and v, 20,
@@ -129,9 +142,10 @@ def test_docker_kill_of_one_member_stops_the_others_and_restart_gang_brings_it_b
 
 def test_a_failed_member_create_removes_the_others_and_answers_as_one_container_would(clean, test_image):
     manager = clean
-    failed = gang(manager, "gpumgr-test/no-such-image:1", 3)
+    failed = gang(manager, "gpumgr-test/no-such-image:1", 3, restart="gang", max_restarts=1)
     assert failed.status_code == 400 and failed.json()["error"]["code"] == "image_not_found", failed.text
     gangs = [g for g in manager.get("/v1/gangs").json()["gangs"] if g["image"] == "gpumgr-test/no-such-image:1"]
+    # a failed create neither restarts the gang nor counts against max_restarts
     assert len(gangs) == 1 and gangs[0]["state"] == "failed" and gangs[0]["restart_count"] == 0
     wait_for(lambda: all(manager.get(f"/v1/containers/{m}").json()["state"] not in ("creating", "running")
                          for m in gangs[0]["members"]), 20, what="every member ended")
@@ -154,6 +168,9 @@ def test_after_gang_reserve_after_room_is_held_for_a_waiting_gang_and_nothing_el
 
     # gang_reserve_after is 4 s here: then the free GPUs are held for it, whole, and the busy one's free half
     wait_for(lambda: held() == {NODES[0]: 4 * GiB, **{n: 8 * GiB for n in NODES[1:]}}, 10, what="room held")
+    gauges = [line.rsplit(" ", 1) for line in manager.get("/metrics").text.splitlines()
+              if line.startswith("gpumgr_gpu_memory_reserved_for_gang_bytes{") and any(f'"{n}"' in line for n in NODES)]
+    assert sorted(float(value) for _, value in gauges) == [4 * GiB] + [8 * GiB] * 3  # and in the metrics
     refused = manager.http.post(manager.url + "/v1/containers", json=small, timeout=90)
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "no_fit", refused.text
     manager.http.delete(manager.url + f"/v1/containers/{first.json()['id']}", timeout=60)
@@ -183,15 +200,27 @@ def test_two_gangs_at_once_run_one_after_the_other_never_both_partly(clean, test
     assert gang_state(manager, second.json()["id"])["state"] == "exited" and not seen_both
 
 
-def test_members_meet_on_the_master_address_and_port_and_the_gang_ends_exited(clean, test_image):
+@pytest.fixture
+def gangnet(docker_client):
+    """A user-defined network the members share by name (an attachable overlay's stand-in on one engine)."""
+    network = docker_client.networks.create(f"gpumgr-test-gangnet-{time.monotonic_ns()}")
+    yield network.name
+    network.remove()  # after ``clean`` (set up later, ended first) removed the members' containers
+
+
+@pytest.mark.parametrize("network", ["host", "named"])
+def test_members_meet_on_the_master_address_and_port_and_the_gang_ends_exited(gangnet, clean, test_image,
+                                                                            docker_client, network):
     manager = clean
     # rank 0 listens on the master's port; rank 1 connects (retrying until rank 0 listens); they swap ranks
     meet = ('if [ "$GPUMGR_GANG_RANK" = 0 ]; then echo rank0 | timeout 30 nc -l -p "$PET_MASTER_PORT" > /tmp/got; '
             'else until echo rank1 | timeout 5 nc "$PET_MASTER_ADDR" "$PET_MASTER_PORT" > /tmp/got '
             '&& [ -s /tmp/got ]; do sleep 0.2; done; fi; cat /tmp/got; '
             'grep -q "rank$((1 - GPUMGR_GANG_RANK))" /tmp/got')
-    made = gang(manager, test_image, 2, command=meet, network="host")
+    made = gang(manager, test_image, 2, command=meet, network="host" if network == "host" else gangnet)
     assert made.status_code == 201, made.text
+    name = f"gpumgr-gang-{made.json()['id']}-0"
+    assert made.json()["master_addr"] == ("127.0.0.1" if network == "host" else name)  # rank 0's container name
     ended = wait_for(lambda: (v := gang_state(manager, made.json()["id"]))["state"] not in ("creating", "running")
                      and v, 40, what="the gang ended")
     assert (ended["state"], ended["exit_code"]) == ("exited", 0), ended
@@ -201,17 +230,21 @@ def test_members_meet_on_the_master_address_and_port_and_the_gang_ends_exited(cl
         peer = 1 - record["rank"]
         logs = manager.http.get(manager.url + f"/v1/containers/{cid}/logs", timeout=30).text
         assert f"rank{peer}" in logs
+        env = env_of(docker_client, record)  # an ended member's container stays until its gang is removed
+        assert env.get("NCCL_SOCKET_IFNAME") == ("^docker,lo" if network == "host" else None)
 
 
 def test_a_gang_survives_a_kill_9_of_the_manager_and_still_ends_as_one(tmp_path, test_image, docker_client,
                                                                        cleanup_containers):
     nodes = ["gang-r0", "gang-r1"]
     manager = ManagerProc(tmp_path)
-    agents = [AgentProc(tmp_path, manager, node, gpus="sim:1x8GiB") for node in nodes]
+    agents = [AgentProc(tmp_path, manager, node, gpus="sim:1x8GiB", env={"GPUMGR_ADVERTISE_ADDR": "127.0.0.3"})
+              for node in nodes]  # where other hosts reach them, as the agents' setting says
     try:
         made = gang(manager, test_image, 2, gpu_memory="6GiB")
         assert made.status_code == 201, made.text
         before = made.json()
+        assert before["master_addr"] == "127.0.0.3"
         waiting = gang(manager, test_image, 2, gpu_memory="6GiB", queue=True)  # no room: it waits whole
         assert waiting.status_code == 202, waiting.text
         manager.stop(signal.SIGKILL)

@@ -1,12 +1,12 @@
 """The real manager against scripted agents that delay, drop, repeat and reorder replies, on a logical clock.
 
-Rules: POST (queued or not, 1 to 4 GPUs, burstable or not), POST of a gang (2 or 3 members, queued or not), DELETE (any
-record, twice as likely as not), PATCH, the fate of
-each request in flight (answered, refused, lost after it was applied, dropped before, answered again
-late), node down and up, reconnects, agent restarts, forgetting a node, containers exiting, containers
-using more or less (bursters above their grants: requests reclaim them, the agent's protection stops them),
-sweeps and dispatches. After every step: the model's invariant (:meth:`Cluster.check`), the engines' truth
-(no container alive on a node on the map without its bytes held), and no gang partly placed. The number of examples is
+Rules: POST (queued or not, 1 to 4 GPUs, burstable or not), POST of a gang (2 or 3 members, queued or not, restarted
+once or never), DELETE (any record, twice as likely as not), PATCH, the fate of each request in flight (answered,
+refused, lost after it was applied, dropped before, answered again late), node down and up, reconnects, agent
+restarts, forgetting a node, containers exiting, containers using more or less (bursters above their grants:
+requests reclaim them, the agent's protection stops them), sweeps and dispatches. After every step: the model's
+invariant (:meth:`Cluster.check`), the engines' truth (no container alive on a node on the map without its bytes
+held), and no gang partly placed. The number of examples is
 ``GPUMGR_MODEL_EXAMPLES`` (500 in CI); ``bench/lifecycle_model.py`` runs it far longer.
 """
 
@@ -41,7 +41,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.clock = LogicalClock()
         self.link = HeldLink(self.clock)
         config = ManagerSettings(state_dir=self.folder, heartbeat_interval=1.0, heartbeat_liveness=3,
-                                 create_timeout=10.0, remove_timeout=6.0, forget_after=600.0, burst_min_runtime=1.0)
+                                 create_timeout=10.0, remove_timeout=6.0, forget_after=600.0, burst_min_runtime=1.0,
+                                 gang_grace=8.0, gang_exit_grace=5.0)  # gangs end within a few steps
         self.manager = Manager(config, link=self.link, clock=self.clock)
         counter = iter(range(1, 1 << 30))
         self.manager.cluster.new_id = lambda: f"r{next(counter):06d}"  # replays draw the same ids
@@ -93,12 +94,13 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.ids.append(record.id)
         self.manager.send(commands)
 
-    @rule(replicas=st.integers(2, 3), memory=st.integers(1, 8), queue=st.booleans())
-    def post_gang(self, replicas: int, memory: int, queue: bool) -> None:
+    @rule(replicas=st.integers(2, 3), memory=st.integers(1, 8), queue=st.booleans(), restart=st.booleans())
+    def post_gang(self, replicas: int, memory: int, queue: bool, restart: bool) -> None:
         member = PlacementSpec(memory=memory * GiB // 2, count=1, placement="spread", image="img", command=[])
+        spec = GangSpec(member, replicas, one_per_node=False, restart="gang" if restart else "never",
+                        max_restarts=1 if restart else 0)  # a failed gang placed again whole, once
         try:
-            gang, commands = self.manager.cluster.submit_gang(GangSpec(member, replicas, one_per_node=False),
-                                                              queue=queue)
+            gang, commands = self.manager.cluster.submit_gang(spec, queue=queue)
         except GpumgrError:
             return
         self.ids.extend(gang.members)

@@ -253,6 +253,8 @@ class MetricsSnapshot:
     gpus: list[tuple[str, str, int, str, int, int, int, int, int]] = field(default_factory=list)
     #: (node, uuid, bytes bursters use above their grants there)
     bursts: list[tuple[str, str, int]] = field(default_factory=list)
+    #: (node, uuid, bytes held there for a waiting gang)
+    gang_holds: list[tuple[str, str, int]] = field(default_factory=list)
     #: (node, uuid, percent of its SMs its grants' compute shares take): MPS GPUs only
     shares: list[tuple[str, str, int]] = field(default_factory=list)
     #: (node, gpu uuid, grant id, name, tenant, granted bytes, used bytes): one per container per GPU

@@ -227,6 +227,7 @@ class MapReads:
                                       gpu.unmanaged, gpu.free))
                     snap.health.append((node.name, gpu.uuid, gpu.health))
                     snap.bursts.append((node.name, gpu.uuid, gpu.burst))
+                    snap.gang_holds.append((node.name, gpu.uuid, gpu.gang_hold))
                     if gpu.mps:
                         snap.shares.append((node.name, gpu.uuid, gpu.compute_shares))
                     for cid in gpu.holders:

@@ -315,6 +315,11 @@
       bar.append(el("div", { class: "seg burst", title: "burst above grants: " + bytes(burst),
         style: { width: pct(burst, total) + "%" } }));
     }
+    const held = gpu.memory_reserved_for_gang || 0;  // held for a waiting gang: nothing else may take it
+    if (held > 0) {
+      bar.append(el("div", { class: "seg gang-hold", title: "held for a waiting gang: " + bytes(held),
+        style: { width: pct(held, total) + "%" } }));
+    }
     const unmanaged = gpu.memory_unmanaged || 0;
     if (unmanaged > 0) {
       bar.append(el("div", { class: "seg unmanaged", title: "unmanaged: " + bytes(unmanaged),
@@ -339,6 +344,9 @@
       figure("used", gpu.memory_used), figure("granted", gpu.memory_reserved),
       burst ? el("span", { class: "fig", "data-memory-burst": burst, title: "what bursters use above their grants" },
         el("span", { class: "muted", text: "burst " }), bytes(burst)) : null,
+      held ? el("span", { class: "fig", "data-memory-reserved-for-gang": held,
+        title: "held for the gang that waited longest: it starts once every member fits" },
+        el("span", { class: "muted", text: "held for a gang " }), bytes(held)) : null,
       unmanaged ? figure("unmanaged", unmanaged) : null, figure("free", free), figure("total", total),
       gpu.mps ? el("span", { class: "fig", "data-compute-shares": gpu.compute_shares || 0,
         title: "MPS: the compute shares of its grants, in percent of its SMs (at most 100)" },
@@ -417,8 +425,12 @@
     } else if (!isLive && c.reason) {
       stateCell.append(el("div", { class: "muted small reason", text: c.reason }));
     }
+    const name = el("td", { class: "name", text: c.name || "–" });
+    if (c.gang) name.append(el("div", { class: "muted small", "data-gang": c.gang, "data-rank": c.rank,
+      title: "a member of gang " + c.gang + ": placed, and ended, with the others", text: "gang " + shortId(c.gang) +
+        " · rank " + c.rank }));
     return el("tr", { "data-container": c.id, "data-state": c.state, class: isLive ? "" : "ended" },
-      el("td", { class: "name", text: c.name || "–" }),
+      name,
       el("td", { class: "mono", title: c.id, text: shortId(c.id) }),
       el("td", { text: c.tenant || "–" }),
       el("td", { text: where }),

@@ -99,6 +99,7 @@ class Gangs(Waiting):
             if self._in_line():
                 return gang, self._take_turn(gang, queue)
             plan = plan_gang(self.ledger.index, request_for(member, member.memory), spec.replicas, spec.one_per_node)
+            self._check_port(plan)
         except (NoFit, NoAgents) as exc:
             if not queue:
                 raise NoFit(f"{exc.message}; send \"queue\": true to wait for room") from None
@@ -143,8 +144,7 @@ class Gangs(Waiting):
     def _start(self, gang: Gang, plan: list[list[Any]]) -> list[Command]:
         """Grant ``plan`` to fresh members of ``gang``: their records join the map ``creating``."""
         spec, member = gang.spec, gang.spec.member
-        first = self.ledger.nodes.get(plan[0][0].node)
-        gang.port_host = (first.advertise_addr if first is not None else "") or "127.0.0.1"
+        gang.port_host = self._master_host(plan)
         gang.master_port = self._take_port(gang.port_host)
         base = member.name or f"gpumgr-gang-{gang.id}"
         names = [f"{base}-{rank}" + (f"-r{gang.restart_count}" if gang.restart_count else "")
@@ -171,22 +171,37 @@ class Gangs(Waiting):
             assert record.op is not None
             commands.append(Command(OpKind.CREATE, record, record.op))
             gang.members.append(record.id)
-        gang.state, gang.first_exit_mono, gang.node_down_mono = "creating", None, None
+        gang.state, gang.first_exit_mono, gang.node_down_mono, gang.grace_paused_mono = "creating", None, None, None
         self.life.outcome("placed")
         self.life.events.record(EventType.PLACED, f"gang {gang.id}: {spec.replicas} members placed at once on "
                                 f"{', '.join(sorted({s[0].node for s in plan}))}; master {gang.master_addr}:"
                                 f"{gang.master_port}", gang=gang.id)
         return commands
 
-    def _take_port(self, host: str) -> int:
-        used = self.ports.setdefault(host, set())
+    def _master_host(self, plan: list[list[Any]]) -> str:
+        """The host of rank 0's node in ``plan``: where the master listens, and whose gang ports it takes."""
+        first = self.ledger.nodes.get(plan[0][0].node)
+        return (first.advertise_addr if first is not None else "") or "127.0.0.1"
+
+    def _free_port(self, host: str) -> int | None:
+        """The lowest port of ``gang_ports`` no gang holds on ``host`` (None: every one is taken)."""
+        used = self.ports.get(host, set())
         low, high = self.port_range
-        for port in range(low, high + 1):
-            if port not in used:
-                used.add(port)
-                return port
-        raise Conflict(f"every port of gang_ports {low}-{high} on host {host} is taken by a gang; try again when "
-                       "one ends", code="no_fit")
+        return next((port for port in range(low, high + 1) if port not in used), None)
+
+    def _check_port(self, plan: list[list[Any]]) -> None:
+        """NoFit when rank 0's host has no gang port left: a port is room too, the gang waits for it or is no_fit."""
+        host = self._master_host(plan)
+        if self._free_port(host) is None:
+            low, high = self.port_range
+            raise NoFit(f"every port of gang_ports {low}-{high} on host {host} is held by a gang; one frees when its "
+                        "gang ends")
+
+    def _take_port(self, host: str) -> int:
+        port = self._free_port(host)
+        assert port is not None  # its plan passed _check_port under the same lock
+        self.ports.setdefault(host, set()).add(port)
+        return port
 
     def _release_port(self, gang: Gang) -> None:
         if gang.port_host is not None and gang.master_port is not None:
@@ -228,7 +243,7 @@ class Gangs(Waiting):
             gang.members.sort(key=lambda m: r.rank if (r := self.ledger.records.get(m)) is not None
                               and r.rank is not None else size)
         if len(gang.members) >= size:
-            gang.node_down_mono = None
+            gang.node_down_mono = gang.grace_paused_mono = None
 
     def _host_of(self, record: Container, addr: str) -> str:
         node = self.ledger.nodes.get(record.node)
@@ -348,6 +363,8 @@ class Gangs(Waiting):
                 continue
             except NoAgents:
                 continue
+            if self._free_port(self._master_host(plan)) is None:
+                continue  # its room is there but not a port on its master's host: it waits on, holding nothing
             self._unwait(gang)
             self.making_room.pop(gang.id, None)
             commands += self._start(gang, plan)
@@ -363,20 +380,33 @@ class Gangs(Waiting):
                       f"({self.exit_grace:g}s) of the first", restart=True)
             return
         if len(members) < gang.spec.replicas:  # rebuilt from its nodes: the rest have gang_grace to come back
-            if gang.node_down_mono is not None and now - gang.node_down_mono > self.node_grace \
-                    and not self.disrupted():
+            if self._grace_over(gang, now):
                 self._end(gang, "failed", f"{gang.spec.replicas - len(members)} member(s) never came back within "
                           f"gang_grace ({self.node_grace:g}s) after the manager's restart", restart=True)
             return
         down = [m for m in members if m.state in LIVE and (n := self.ledger.nodes.get(m.node)) is not None
                 and not n.ready]
-        if not down or self.disrupted():
-            gang.node_down_mono = None if not down else gang.node_down_mono
+        if not down:
+            gang.node_down_mono = gang.grace_paused_mono = None
             return
-        gang.node_down_mono = gang.node_down_mono or now
-        if now - gang.node_down_mono > self.node_grace:
+        if gang.node_down_mono is None:
+            gang.node_down_mono = now
+        if self._grace_over(gang, now):
             self._end(gang, "failed", f"member {down[0].rank}'s node {down[0].node} was down for over gang_grace "
                       f"({self.node_grace:g}s)", restart=True)
+
+    def _grace_over(self, gang: Gang, now: float) -> bool:
+        """Whether a member waited for ran out of ``gang_grace``. The zone rule pauses the wait: a partition is not
+        a death, so its time does not count, and the wait resumes where it stopped once the rule no longer holds."""
+        if self.disrupted():
+            if gang.grace_paused_mono is None:
+                gang.grace_paused_mono = now
+            return False
+        if gang.grace_paused_mono is not None:
+            if gang.node_down_mono is not None:
+                gang.node_down_mono += now - gang.grace_paused_mono
+            gang.grace_paused_mono = None
+        return gang.node_down_mono is not None and now - gang.node_down_mono > self.node_grace
 
     def _started(self, gang: Gang) -> None:
         """A gang ``creating`` is ``running`` once every member runs."""

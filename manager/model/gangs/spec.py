@@ -57,6 +57,8 @@ class Gang:
     first_exit_mono: float | None = None
     #: when a member's node was first seen down (monotonic), for ``gang_grace``
     node_down_mono: float | None = None
+    #: since when the zone rule holds (monotonic): the ``gang_grace`` wait is paused, and resumes where it stopped
+    grace_paused_mono: float | None = None
     #: a failure to be followed by a restart once every member has stopped
     restart_pending: bool = False
     #: since when it waits (monotonic), for ``gang_reserve_after``
