@@ -11,6 +11,7 @@ from gpumgr.manager.model.gangs import GangSpec
 from gpumgr.wire.errors import NoFit
 from gpumgr.wire.names import State
 from gpumgr.wire.protocol import ContainerReport, ContainerStatus, GpuInfo, GpuSample
+from tests.accounts_model import account_tree
 from tests.test_gangs_model import G, Map, member
 
 
@@ -137,8 +138,11 @@ def test_an_agent_advertises_the_local_address_of_its_own_way_to_the_manager_by_
             probe.bind((outside, 0))  # one of this host's own addresses
 
 
-def test_a_host_out_of_gang_ports_is_no_room_the_gang_waits_for_or_is_refused() -> None:
+@pytest.mark.parametrize("accounts", [False, True], ids=["plain", "accounts"])
+def test_a_host_out_of_gang_ports_is_no_room_the_gang_waits_for_or_is_refused(accounts: bool) -> None:
     world = Map(nodes=0)
+    if accounts:  # the fair walk places waiting gangs itself: a host out of ports must be no room there too
+        world.cluster.accounts = account_tree({"default": {"quota": {"gpu_memory": 2 * G}}}, {})
     for n in range(2):  # two nodes of one host, and one port for gangs
         world.cluster.register(f"n{n}", f"n{n}".encode(), "docker",
                                [GpuInfo(uuid=f"n{n}-g0", index=0, name="Sim", memory_total=G)], [],

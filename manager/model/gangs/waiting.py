@@ -17,7 +17,7 @@ from gpumgr.manager.model.records import Command, Container, PlacementSpec
 from gpumgr.manager.model.walk.dispatch import preempt_for, request_for
 from gpumgr.manager.model.walk.sharing import GangEntry
 from gpumgr.manager.placing.gang import hold_targets, plan_gang
-from gpumgr.wire.errors import Conflict, NoAgents, NoFit, QuotaExceeded
+from gpumgr.wire.errors import NoAgents, NoFit, QuotaExceeded
 from gpumgr.wire.names import LIVE, State
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,12 @@ class Waiting:
 
     def _start(self, gang: Gang, plan: list[list[Any]]) -> list[Command]:
         raise NotImplementedError  # core's: the plan granted to fresh members
+
+    def _master_host(self, plan: list[list[Any]]) -> str:
+        raise NotImplementedError  # core's: the host of rank 0's node in the plan
+
+    def _free_port(self, host: str) -> int | None:
+        raise NotImplementedError  # core's: a gang port free on the host, if any
 
     # --- waiting, kept in the queue's journal ----------------------------------------------------
     def _wait(self, gang: Gang) -> None:
@@ -245,12 +251,11 @@ class Waiting:
                              gang.spec.one_per_node, own or None)
         except (NoFit, NoAgents):
             return False
+        if self._free_port(self._master_host(plan)) is None:
+            return False  # its room is there but not a port on its master's host: it waits on, holding nothing
         if own:
             self._release_holds()  # what was held for it is its now
-        try:
-            self.to_send += self._start(gang, plan)
-        except Conflict:
-            return False  # every gang port of its master's host is taken: nothing was granted; it waits
+        self.to_send += self._start(gang, plan)
         if self.trying is not None and self.trying[0] == gid:
             self.waiting.remove(gid)  # a submit's own try: never journaled
         else:
