@@ -161,3 +161,78 @@ def test_a_gang_submitted_while_others_wait_takes_its_turn_and_only_a_waiting_on
     assert placed.id not in (tmp_path / "queue.jsonl").read_text()  # its try wrote nothing there
     assert sim.cluster.gangs.to_send == [] and sim.cluster.gangs.trying is None
     sim.check()
+
+
+def running_gang(sim: Accounts, account: str, replicas: int) -> Gang:
+    """A preemptible gang of ``account`` placed at once, ``replicas`` members of one whole GPU each, running."""
+    member = PlacementSpec(memory=G, count=1, placement="spread", image="img", command=["train"], preemptible=True)
+    placed, commands = sim.cluster.submit_gang(GangSpec(member, replicas), tenant=sim.tenants[account])
+    sim.answer(commands)
+    assert state(sim, placed) == "running"
+    return placed
+
+
+def test_a_running_gang_with_a_member_within_quota_is_never_reclaimed() -> None:
+    """A running gang is reclaimed as one: stopping its over-quota member would end its within-quota members too
+    (and free far more than reclaim weighed), so a gang with any member within quota is never a victim."""
+    accounts = {"a": {"quota": {"gpu_memory": 2 * G}, "reclaim_min_runtime": 1},
+                "b": {"quota": {"gpu_memory": 2 * G}, "reclaim_min_runtime": 1}}
+    sim = Accounts(accounts, nodes=4, gpus=1, gpu_memory=G)
+    borrowing = running_gang(sim, "a", 4)
+    assert [m.over_quota for m in members(sim, borrowing)] == [False, False, True, True]
+    sim.ask("b", 1)
+    for _ in range(20):
+        assert sim.step(1.0) == []
+    assert state(sim, borrowing) == "running" and sim.gpus_of("a") == 4
+    sim.check()
+
+
+def test_a_running_gang_wholly_over_quota_is_reclaimed_whole_counting_all_its_bytes() -> None:
+    """Every member of a's gang borrows: reclaim for b's first request takes the whole gang (its two GPUs weighed
+    by the rule), which is room for b's second request too, so nothing more is stopped."""
+    accounts = {"a": {"quota": {"gpu_memory": 0}, "reclaim_min_runtime": 1},
+                "b": {"quota": {"gpu_memory": 2 * G}, "reclaim_min_runtime": 1}}
+    sim = Accounts(accounts, nodes=4, gpus=1, gpu_memory=G)
+    borrowing = running_gang(sim, "a", 2)
+    sim.step(1.0)
+    singles = sim.ask("a", 2)  # too young to be reclaimed: the gang is what reclaim may stop
+    sim.ask("b", 2)
+    stopped = sim.step(1.0)
+    assert sorted(r.id for r in stopped) == sorted(borrowing.members)
+    for victim in stopped:  # each member ends as reclaim's victim, not as "removed" with its gang
+        assert (victim.reason, victim.detail["reclaimed_for_account"]) == ("reclaimed", "b")
+    assert state(sim, borrowing) == "preempted"
+    for _ in range(20):
+        assert sim.step(1.0) == []
+    assert (sim.gpus_of("a"), sim.gpus_of("b")) == (2, 2) and all(r.state is State.RUNNING for r in singles)
+    sim.check()
+
+
+def test_a_member_reclaimed_with_its_gang_whose_stop_is_refused_is_asked_again_and_never_runs_on() -> None:
+    from gpumgr.manager.model.records import OpKind
+    from gpumgr.wire.protocol import ContainerStatus, ErrorBody, GpuSample, Reply
+
+    accounts = {"a": {"quota": {"gpu_memory": 0}, "reclaim_min_runtime": 1},
+                "b": {"quota": {"gpu_memory": 2 * G}, "reclaim_min_runtime": 1}}
+    sim = Accounts(accounts, nodes=4, gpus=1, gpu_memory=G)
+    borrowing = running_gang(sim, "a", 2)
+    sim.step(1.0)
+    sim.ask("a", 2)  # too young to be reclaimed, as above
+    spec = PlacementSpec(memory=G, count=1, placement="spread", image="img", command=[], preemptible=True)
+    commands = [c for _ in range(2) for c in sim.cluster.submit(spec, queue=True, tenant=sim.tenants["b"])[1]]
+    commands += sim.cluster.dispatch()[0]
+    first, second = sorted((c for c in commands if c and c.kind is OpKind.REMOVE), key=lambda c: c.record.rank or 0)
+    sim.cluster.settle(first, Reply(ok=True), None)  # the gang ends: the other member was reclaimed with it
+    sim.cluster.settle(second, Reply(ok=False, error=ErrorBody(code="engine", message="refused")), None)
+    assert second.record.desired is State.PREEMPTED and state(sim, borrowing) == "preempted"
+    victim = second.record
+    beat = sim.cluster.heartbeat(victim.node, victim.node.encode(), [GpuSample(uuid=victim.gpus[0], memory_used=0,
+                                 memory_unmanaged=0)], [ContainerStatus(grant=victim.id, container_id=f"c-{victim.id}",
+                                                                        state="running")])
+    assert beat is not None
+    again = [c for c in beat[1] if c.kind is OpKind.REMOVE]
+    assert [c.record.id for c in again] == [victim.id]  # its node's next heartbeat carries the stop out
+    sim.answer(again)
+    sim.step()
+    assert (victim.state, victim.reason) == (State.PREEMPTED, "reclaimed") and sim.gpus_of("b") == 2
+    sim.check()

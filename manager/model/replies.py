@@ -72,9 +72,10 @@ class Replies:
                 self.life.end_op(record, op)
             elif reply is not None:
                 refused = agent_error(record.node, reply.error, "could not remove the container")
-                if record.desired is State.PREEMPTED:
+                ended = record.detail.get("gang_ended")  # a member of an ended gang is asked again, however it ends
+                if record.desired is State.PREEMPTED and not ended:
                     self.dispatcher.preemption_failed(record)
-                elif not record.detail.get("gang_ended"):  # a member of an ended gang is asked again
+                elif not ended:
                     self.life.desire(record, State.RUNNING)
                 runs_on = "; it runs on" if record.state in LIVE else ""
                 self.life.event(EventType.FAILED, f"removal failed: {refused.message}{runs_on}", record)

@@ -285,7 +285,8 @@ class Gangs(Waiting):
         for cid in gang.members:
             member = self.ledger.records.get(cid)
             if member is not None and member.state in LIVE:
-                self.life.desire(member, State.REMOVED, f"its gang {gang.id} ended: {reason}")
+                if member.desired is not State.PREEMPTED:  # one preempted with it (reclaimed whole) ends as such
+                    self.life.desire(member, State.REMOVED, f"its gang {gang.id} ended: {reason}")
                 member.detail["gang_ended"] = gang.id  # a refused stop is asked again, never given up
         self.life.events.record(EventType.FAILED if state != "exited" else EventType.EXITED,
                                 f"gang {gang.id} " + (f"restarts ({gang.restart_count + 1} of "

@@ -203,6 +203,11 @@ class Waiting:
                     free += victim.held
         return list(chosen.values())
 
+    def crew(self, gid: str) -> list[Container]:
+        """The live members of placed gang ``gid`` (none if it is not known): what reclaim stops as one."""
+        gang, records = self.gangs.get(gid), self.ledger.records
+        return [r for m in (gang.members if gang else ()) if (r := records.get(m)) is not None and r.state in LIVE]
+
     def _own_holds(self, gid: str) -> dict[str, int]:
         """The bytes held for waiting gang ``gid`` by GPU (its reservation): free for it, and for nothing else."""
         return {uuid: gpu.gang_hold for uuid, holder in self.holding.items()

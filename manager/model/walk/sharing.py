@@ -25,14 +25,15 @@ A gang submitted while anything waits takes its turn in such a walk at once (owe
 **Reclaim** (:meth:`FairWalk.plan_reclaim`) compares accounts under their lowest common parent, as KAI
 does: for a head in leaf ``R``, a running container ``v`` of leaf ``V`` may be stopped only if it is
 ``over_quota``, has run its account's ``reclaim_min_runtime``, is not already being stopped, and ``V``'s
-side of the split (``V'``) is above its fair share while ``R``'s side (``R'``) is below. Victims are
-chosen per GPU by the highest allocated/fair share of ``V'`` first, then the lowest priority, then the
-youngest. The chosen set is kept only if, for every ``V'`` it takes from, Kueue's
-``LessThanOrEqualToFinalShare`` holds: ``R'``'s share with the request is at most ``V'``'s after the
-reclaim (:func:`gpumgr.manager.fairshare.reclaim.allowed`), the rule that cannot loop. For a waiting gang
-the request is its whole bytes and the victims are chosen by the same rules on the GPUs where the gang
-then fits whole (none if it would not). Reclaim is paused while the zone rule holds (many nodes silent at
-once). Called under the ledger's lock.
+side of the split (``V'``) is above its fair share while ``R``'s side (``R'``) is below. A member of a
+running gang is stopped only with its whole gang (one member's end ends it): every live member must qualify,
+and the rule below weighs all their bytes. Victims are chosen per GPU by the highest allocated/fair share of
+``V'`` first, then the lowest priority, then the youngest. The chosen set is kept only if, for every ``V'``
+it takes from, Kueue's ``LessThanOrEqualToFinalShare`` holds: ``R'``'s share with the request is at most
+``V'``'s after the reclaim (:func:`gpumgr.manager.fairshare.reclaim.allowed`), the rule that cannot loop.
+For a waiting gang the request is its whole bytes and the victims are chosen by the same rules on the GPUs
+where the gang then fits whole (none if it would not). Reclaim is paused while the zone rule holds (many
+nodes silent at once). Called under the ledger's lock.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class GangLine(Protocol):
     def plan_preemption(self, gid: str) -> None: ...
     def cheapest_victims(self, gid: str, eligible: Callable[[Container], bool],
                          order: Callable[[Container], Any], pool: list[Container] | None = None) -> list[Container]: ...
+    def crew(self, gid: str) -> list[Container]: ...
 
 
 #: One entry of an account's line: its place in the queue's order, and a queued request or a waiting gang.
@@ -270,7 +272,7 @@ class FairWalk:
         if self._being_made(making_room.get(head.id, ())):
             return True
         judge = _Judge(self, head.account, float(need), shares)
-        victims = self._victims(head, judge)
+        victims = judge.whole(self._victims(head, judge))
         if not self._stop_for(victims, judge, shares):
             return False
         making_room[head.id] = {v.id for v in victims}
@@ -352,15 +354,29 @@ class _Judge:
         return self.sides[account]
 
     def eligible(self, victim: Container) -> bool:
-        if not (victim.over_quota and victim.state is State.RUNNING and victim.desired is State.RUNNING
-                and victim.op is None and victim.account != self.account
-                and self.walk.dispatch.may_stop(victim, self.now)):
-            return False
-        if self.now - victim.granted_mono < self.tree[victim.account or ""].reclaim_min_runtime:
+        """Whether reclaim may stop ``victim``: with a gang's member, the whole gang (reclaimed as one)."""
+        crew = self.crew(victim)
+        if not all(self._alone(member) for member in crew):
             return False
         split = self.side(victim)
         return split is not None and allowed(self.shares, split[0], self.need, split[1],
-                                             float(victim.gpu_memory * victim.count))
+                                             float(sum(m.gpu_memory * m.count for m in crew)))
+
+    def _alone(self, victim: Container) -> bool:
+        """Whether ``victim`` itself may be stopped: over quota, running its minimum runtime, not already stopping."""
+        return (victim.over_quota and victim.state is State.RUNNING and victim.desired is State.RUNNING
+                and victim.op is None and victim.account != self.account
+                and self.walk.dispatch.may_stop(victim, self.now)
+                and self.now - victim.granted_mono >= self.tree[victim.account or ""].reclaim_min_runtime)
+
+    def crew(self, victim: Container) -> list[Container]:
+        """What stopping ``victim`` stops: itself, or every live member of its gang (one member's end ends it)."""
+        gangs = self.walk.gangs
+        return (gangs.crew(victim.gang) if victim.gang is not None and gangs is not None else None) or [victim]
+
+    def whole(self, victims: list[Container]) -> list[Container]:
+        """``victims`` with the other members of their gangs: a running gang is reclaimed whole, all its bytes."""
+        return list({m.id: m for victim in victims for m in self.crew(victim)}.values())
 
     def order(self, victim: Container) -> tuple[float, int, float]:
         split = self.side(victim)
