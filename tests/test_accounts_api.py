@@ -20,14 +20,18 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpumgr.client import Client
+from gpumgr.manager.tenancy.accounts import AccountConfig
+from gpumgr.manager.tenancy.tenants import TenantConfig
 from gpumgr.plugin import docker_gpu
-from tests.fake_agent import scripted_stack
-from tests.procs import AgentProc, ManagerProc
+from gpumgr.wire import protocol
+from tests.fake_agent import FakeAgent, scripted_stack
+from tests.procs import AgentProc, ManagerProc, wait_for
 
 GiB = 1 << 30
 OPERATOR = "operator-token-accounts-0123"
 ALICE = "alice-token-accounts-01234567"
 BOB = "bob-token-accounts-0123456789"
+CAROL = "carol-token-accounts-012345678"
 POLITE = "trap 'exit 0' TERM; while :; do sleep 1; done"
 ACCOUNTS = {
     "research": {"quota": {"gpu_memory": "4GiB"}, "over_quota_weight": 3},
@@ -175,3 +179,59 @@ def test_the_typed_account_has_every_field_of_its_response_shape():
 
     fields = {f.name for f in dataclasses.fields(client_types.Account)} - {"raw"}
     assert fields == set(openapi.AccountView.model_fields)
+
+
+def hook_grant(agent: FakeAgent, container: str, tenant: str = "") -> str:
+    """The grant ``agent``'s runtime hook gets for ``container`` (one letter): as a ``hook_tenant`` node forwards a
+    plain ``docker run`` (``tenant``), or a Swarm task (no tenant: the operator's)."""
+    before = len(agent.received)
+    agent.send(protocol.Reserve(container_id=container * 64, gpu_memory=GiB, node=agent.node, tenant=tenant))
+    reply = wait_for(lambda: next((m for m in list(agent.received)[before:] if isinstance(m, protocol.Reply)
+                                   and m.result.get("grant")), None), 10, what=f"the hook grant for {container}")
+    return str(reply.result["grant"])
+
+
+def test_who_is_counted_where_and_a_tenant_cap_is_not_an_account_quota(tmp_path):
+    """Issue 34's rules of belonging on one manager: a hook grant counts in its ``hook_tenant``'s account; a
+    Swarm task's, the operator's own request and a tenant without ``account`` count in ``default``. A tenant
+    past its own hard cap gets ``403 quota_exceeded`` (queue or not, preemptible or not); a request that passes
+    its account's quota, not preemptible, gets ``409 over_quota``, and with ``queue: true`` waits (202)."""
+    accounts = {"research": AccountConfig(quota={"gpu_memory": "4GiB"}),
+                "default": AccountConfig(quota={"gpu_memory": "4GiB"})}
+    tenants = {"alice": TenantConfig(token=ALICE, account="research", gpu_memory="3GiB"),
+               "bob": TenantConfig(token=BOB, account="research"), "carol": TenantConfig(token=CAROL)}
+    with scripted_stack(tmp_path, heartbeat_interval=60.0, token=OPERATOR, accounts=accounts,
+                        tenants=tenants) as (_, client, add_agent):
+        agent = add_agent("hooked", gpus=1, size=16 * GiB)
+
+        def post(token: str, memory: str, **extra: Any) -> Any:
+            return client.post("/v1/containers", json={"image": "img", "gpu_memory": memory, **extra},
+                               headers={"Authorization": f"Bearer {token}"})
+
+        def record(cid: str) -> tuple[str | None, str | None]:
+            shown = client.get(f"/v1/containers/{cid}", headers={"Authorization": f"Bearer {OPERATOR}"}).json
+            return shown["tenant"], shown["account"]
+
+        assert record(hook_grant(agent, "a", tenant="alice")) == ("alice", "research")
+        assert record(hook_grant(agent, "b")) == (None, "default")  # a Swarm task: the operator's
+        for token, tenant in ((OPERATOR, None), (CAROL, "carol")):
+            made = post(token, "1GiB")
+            assert made.status_code == 201, made.json
+            assert (made.json["tenant"], made.json["account"]) == (tenant, "default")
+        # alice holds 1 GiB (her hook grant) of her own 3 GiB cap: 3 GiB more passes it, though research has room
+        for extra in ({}, {"queue": True}, {"preemptible": True}):
+            capped = post(ALICE, "3GiB", **extra)
+            assert capped.status_code == 403 and capped.json["error"]["code"] == "quota_exceeded", (extra, capped.json)
+        # bob has no cap, but research (quota 4 GiB) holds 1 GiB: 4 GiB more passes its quota; preemptible, it
+        # borrows the idle room (which uses none of the quota); not preemptible, it is refused, or waits
+        borrows = post(BOB, "4GiB", preemptible=True)
+        assert borrows.status_code == 201 and borrows.json["over_quota"] is True, borrows.json
+        refused = post(BOB, "4GiB")
+        assert refused.status_code == 409 and refused.json["error"]["code"] == "over_quota", refused.json
+        waits = post(BOB, "4GiB", queue=True)
+        assert waits.status_code == 202 and waits.json["state"] == "queued", waits.json
+        assert (waits.json["tenant"], waits.json["account"]) == ("bob", "research")
+        shown = {a["name"]: a for a in client.get("/v1/accounts", headers={"Authorization": f"Bearer {OPERATOR}"})
+                 .json["accounts"]}
+        assert (shown["default"]["allocated"], shown["default"]["waiting"]) == (3 * GiB, 0)
+        assert (shown["research"]["allocated"], shown["research"]["waiting"]) == (5 * GiB, 4 * GiB)

@@ -244,6 +244,29 @@ def test_reclaim_is_paused_while_the_zone_rule_holds() -> None:
     sim.check()
 
 
+@pytest.mark.parametrize("quotas", [(3, 1), (6, 2)], ids=["quotas-fill-the-capacity", "quotas-past-it"])
+def test_a_node_down_scales_the_quotas_down_in_proportion_on_the_map(quotas: tuple[int, int]) -> None:
+    """Fair shares are of the ready nodes' capacity: with one of four nodes down (no zone rule) the quotas are
+    scaled down in proportion to the three left, though its containers keep their grants; back, they are not."""
+    accounts = {"a": {"quota": {"gpu_memory": quotas[0] * G}}, "b": {"quota": {"gpu_memory": quotas[1] * G}}}
+    sim = Accounts(accounts, nodes=4, gpus=1, gpu_memory=G)
+    held = sim.ask("a", 3, preemptible=False) + sim.ask("b", 1, preemptible=False)
+    sim.ask("a", 2, preemptible=False)  # both ask for more than there is: each gets its (scaled) quota
+    sim.ask("b", 2, preemptible=False)
+    assert (sim.fair_gpus("a"), sim.fair_gpus("b")) == pytest.approx((3, 1))
+    silent = held[-1].node  # b's container's node goes silent alone: down, not a partition
+    alive = [f"n{i}" for i in range(4) if f"n{i}" != silent]
+    sim.clock.advance(sim.cluster.down_after + 1)
+    sim.heartbeat(alive, held)
+    assert sim.cluster.sweep()[0] == [silent] and not sim.cluster.reconciler.disrupted
+    assert (sim.gpus_of("a"), sim.gpus_of("b")) == (3, 1)  # the silent node's grant is kept
+    assert (sim.fair_gpus("a"), sim.fair_gpus("b")) == pytest.approx((3 * 3 / 4, 3 * 1 / 4))
+    assert sum(sim.fair_gpus(name) for name in sim.view()) == pytest.approx(3)
+    sim.heal([silent], alive, held)
+    assert (sim.fair_gpus("a"), sim.fair_gpus("b")) == pytest.approx((3, 1))
+    sim.check()
+
+
 # --- without accounts, and the tree's config --------------------------------------------------------
 def test_without_accounts_records_carry_no_account_and_there_is_no_view() -> None:
     cluster = Cluster()

@@ -5,7 +5,7 @@
 - no account gets more than it requested or than its limit;
 - the surplus goes by priority, then by weight;
 - reclaim never stops a container that is not over quota, nor one younger than its account's minimum runtime;
-- once demands stop changing, reclaims stop: no request is preempted and re-placed in a loop;
+- once demands stop changing, reclaims stop, and no request is preempted, re-placed and preempted again;
 - the same with waiting gangs among the requests, and no gang is ever partly placed.
 
 The examples are capped so CI stays in budget.
@@ -140,13 +140,23 @@ def play(sim: Accounts, action: str, account: str, count: int, quarters: int, fl
 
 def settles(sim: Accounts) -> None:
     """Reclaim stopped only old enough over-quota containers; with demands fixed from here (what was stopped asks
-    again), reclaims stop: nothing is preempted and re-placed in a loop."""
+    again, as a Swarm service does), reclaims stop, and no request is stopped twice: none is preempted, placed
+    again and preempted again (each stopped one's line is followed through the requests that ask again for it)."""
     for victim in sim.reclaimed:
         assert victim.over_quota and victim.reason == "reclaimed", victim
         assert sim.chosen[victim.id] >= ACCOUNTS[victim.account or ""]["reclaim_min_runtime"], victim
+    line: dict[str, str] = {}  # a request that asks again for a stopped one → the first of its line
+    stopped_lines: set[str] = set()
     quiet = 0
     for _ in range(400):
-        quiet = 0 if sim.step(1.0, resubmit=True) else quiet + 1
+        stopped = sim.step(1.0)
+        for record in stopped:
+            first = line.get(record.id, record.id)
+            assert first not in stopped_lines, f"{first} was stopped, placed again and stopped again: a loop"
+            stopped_lines.add(first)
+            (again,) = sim.ask(sim.account_of(record), 1, record.gpu_memory, preemptible=record.preemptible)
+            line[again.id] = first
+        quiet = 0 if stopped else quiet + 1
         no_gang_in_part(sim)
         if quiet >= 60:
             break

@@ -8,11 +8,18 @@ ends, withdrawals, resizes and preemptions in any order, and after every step ch
 - each tenant's counted memory and containers are the sums over its live and queued records, and its
   live grants never pass its quota;
 - only preemptible containers of lower priority than the request they made room for are preempted.
+
+Nothing changes without accounts (issue 34): seeded scripts played on the real map decide exactly what they
+decided on the tree before accounts existed (the digests in ``tests/data``; see :mod:`tests.queue_trace`), and
+with one account holding everyone, whose quota never binds, a generated script decides as with no accounts.
 """
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
+import hashlib
+import json
+
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -23,6 +30,8 @@ from gpumgr.manager.tenancy.tenants import Tenant, TenantBook
 from gpumgr.wire.errors import GpumgrError, NoFit, QuotaExceeded
 from gpumgr.wire.names import LIVE, State
 from gpumgr.wire.protocol import ContainerReport, GpuInfo, Reply
+from tests import queue_trace
+from tests.accounts_model import account_tree
 
 U = 1 << 30
 TENANTS = {"t1": Tenant("t1", b"t1" * 8, 12 * U, 4, 5), "t2": Tenant("t2", b"t2" * 8, None, None, 2)}
@@ -185,3 +194,56 @@ def test_a_request_that_does_not_wait_never_preempts_anything() -> None:
         raise AssertionError("4 GiB cannot fit beside 6 GiB on an 8 GiB GPU")
     commands, _ = cluster.dispatch()
     assert commands == [] and cluster.get(victim.id).preempted_for is None
+
+
+def test_without_accounts_the_queue_decides_as_it_did_before_accounts_existed() -> None:
+    """Every seeded script records the same decisions, line for line, as on the tree before accounts; and the
+    scripts reach what the proof needs (preemptions, nodes down and back, every refusal), or it proves little."""
+    recorded = json.loads(queue_trace.DATA.read_text())
+    assert (recorded["seeds"], recorded["steps"]) == (queue_trace.SEEDS, queue_trace.STEPS)
+    # what the scripts must reach, as it reads in a trace's lines
+    needs = {"a node down": ',false]', "one back": '"registered"', "a preemption": ',"preempted","preempted",',
+             "a queued request": ',"queued","running",', "a running one": ',"running","running",',
+             **{code: f'["error","{code}"' for code in ("quota_exceeded", "no_fit", "never_fits", "no_agents")}}
+    changed, reached = [], set()
+    for seed in range(queue_trace.SEEDS):
+        trace = "\n".join(queue_trace.Trace().play(queue_trace.script(seed)))
+        if hashlib.sha256(trace.encode()).hexdigest() != recorded["digests"][seed]:
+            changed.append(seed)
+        reached |= {need for need, text in needs.items() if text in trace}
+    assert not changed, (f"seeds {changed} decide otherwise than before accounts; diff "
+                         "'python -m tests.queue_trace show SEED' on both trees (see tests/queue_trace.py)")
+    assert reached == set(needs), set(needs) - reached
+
+
+def everyone_in_default(cluster: Cluster) -> None:
+    """One account holds every tenant and the operator (``default``), with a quota no script can reach.
+
+    Twice the capacity, not the capacity itself: at exactly the capacity a request that cannot fit now anyway
+    (the map is full, or never) passes the quota first, and is refused ``over_quota`` instead of ``no_fit``.
+    """
+    cluster.accounts = account_tree({"default": {"quota": {"gpu_memory": 2 * queue_trace.CAPACITY}}},
+                                    dict.fromkeys(queue_trace.TENANTS))
+
+
+#: the scripts' actions as often as in the seeded ones (a submit most often), long enough to fill the map; each
+#: step's numbers come from one drawn integer (hypothesis' own integers favour 0 and the bounds)
+steps = st.lists(st.tuples(st.sampled_from([a for a, weight in queue_trace.ACTIONS for _ in range(weight)]),
+                           st.integers(0, 2**32 - 1)), min_size=20, max_size=120)
+
+
+def spread(number: int) -> tuple[int, ...]:
+    """Six numbers below 1000, evenly spread over every ``number``."""
+    digest = hashlib.sha256(number.to_bytes(4, "big")).digest()
+    return tuple(int.from_bytes(digest[4 * i:4 * i + 4], "big") % 1000 for i in range(6))
+
+
+@settings(max_examples=120, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script=steps)
+def test_one_account_holding_everyone_decides_as_no_accounts(script: list[tuple[str, int]]) -> None:
+    """Two maps driven side by side, one without accounts and one with a single account whose quota never
+    binds: after every step their decisions are the same (placements, queue order, stops, refusals)."""
+    plain, one = queue_trace.Trace(), queue_trace.Trace(everyone_in_default)
+    assert one.cluster.accounts is not None
+    for number, (action, drawn) in enumerate(script):
+        assert plain.step(action, spread(drawn)) == one.step(action, spread(drawn)), (number, action)
