@@ -11,7 +11,7 @@ from gpumgr.manager.model.cluster import Cluster
 from gpumgr.manager.model.records import OpKind, PlacementSpec
 from gpumgr.manager.tenancy.accounts import DEFAULT, AccountConfig, build_accounts
 from gpumgr.manager.tenancy.tenants import OPERATOR, Principal
-from gpumgr.wire.errors import Conflict
+from gpumgr.wire.errors import Conflict, NoAgents, NoFit
 from gpumgr.wire.names import State
 from gpumgr.wire.protocol import ContainerReport, GpuInfo
 from tests.accounts_model import Accounts, account_tree
@@ -165,6 +165,26 @@ def test_past_its_quota_a_request_that_is_not_preemptible_waits_or_is_409_over_q
     sim.cluster.finish(within[0].id, State.EXITED, exit_code=0)
     sim.step()
     assert waiting.state is State.RUNNING and not waiting.over_quota
+    sim.check()
+
+
+def test_a_request_that_can_never_run_or_has_no_agent_is_told_so_before_over_quota() -> None:
+    """``409 over_quota`` tells a user to send ``"queue": true`` and wait for the account's allocation to fall:
+    for a request no GPU could ever hold (``never_fits``) or with no agent ready (``503 no_agents``) that
+    advice is wrong, so those refusals come first, as they do without accounts."""
+    sim = Accounts(SMALL, nodes=1, gpus=4, gpu_memory=G)
+    within = sim.ask("a", 2, preemptible=False, queue=False)
+    with pytest.raises(NoFit) as never:
+        sim.ask("a", 1, memory=2 * G, preemptible=False, queue=False)
+    assert never.value.code == "never_fits"
+    sim.clock.advance(sim.cluster.down_after + 1)
+    assert sim.cluster.sweep()[0] == ["n0"]
+    with pytest.raises(NoAgents):
+        sim.ask("a", 1, preemptible=False, queue=False)
+    with pytest.raises(Conflict) as refused:  # with an agent ready again, past its quota it is over_quota
+        sim.heal(["n0"], [], within)
+        sim.ask("a", 1, preemptible=False, queue=False)
+    assert refused.value.code == "over_quota"
     sim.check()
 
 

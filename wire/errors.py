@@ -79,6 +79,9 @@ class GpuConflict(GpumgrError):
     status = 409
 
 
+NO_AGENTS = "no agent is ready to take containers; start one with 'gpumgr agent'"
+
+
 class NoAgents(GpumgrError):
     """No agent is registered and ready; start one with ``gpumgr agent``."""
 

@@ -33,6 +33,7 @@ from gpumgr.manager.tenancy.accounts import AccountTree
 from gpumgr.manager.tenancy.tenants import Tenant, TenantBook
 from gpumgr.wire import defaults
 from gpumgr.wire.errors import (
+    NO_AGENTS,
     Conflict,
     NoAgents,
     NoFit,
@@ -243,7 +244,7 @@ class Cluster(Terms, MapReads, GangCalls):
         record = self._new_record(spec, tenant)
         request = request_for(spec, spec.memory)  # an InvalidRequest here leaves nothing behind
         if self.quotas.accounts is not None:
-            queue = self.quotas.admit(record, queue)
+            queue = self.quotas.admit(record, queue, self.dispatcher.check_placeable)
         if not queue and not len(self.queue) and not self._gangs_in_line():  # the common case: nothing waits
             try:
                 slots = place(self.ledger.index, request)
@@ -265,7 +266,7 @@ class Cluster(Terms, MapReads, GangCalls):
         if queue and len(self.queue) >= self.queue_max:
             raise Conflict(f"the queue is full ({self.queue_max} requests wait); try again later", code="queue_full")
         if not queue and not self.ledger.index.by_node:
-            raise NoAgents("no agent is ready to take containers; start one with 'gpumgr agent'")
+            raise NoAgents(NO_AGENTS)
         record.state, record.queued_at = State.QUEUED, self.clock.time()
         if queue_timeout is not None:
             record.expires_mono = self.clock.monotonic() + queue_timeout

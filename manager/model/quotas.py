@@ -11,12 +11,12 @@ counted in its leaf account and every account above it: ``allocated`` (live gran
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
 from gpumgr.manager.clock import SYSTEM, Clock
-from gpumgr.manager.model.records import Container
+from gpumgr.manager.model.records import Container, PlacementSpec
 from gpumgr.manager.tenancy.accounts import Account, AccountTree
 from gpumgr.manager.tenancy.tenants import Principal, Tenant, TenantBook, Usage
 from gpumgr.wire.errors import Conflict, QuotaExceeded
@@ -115,12 +115,15 @@ class Quotas:
             for node in chain:
                 borrowed[node.name] = borrowed.get(node.name, 0) + total
 
-    def admit(self, record: Container, queue: bool) -> bool:
+    def admit(self, record: Container, queue: bool,
+              refuse_first: Callable[[PlacementSpec], None] | None = None) -> bool:
         """With accounts: count ``record`` in its tenant's leaf account, or ``409 over_quota`` for a request its
         account may not run now and that will not wait.
 
         A request past its account's quota runs only if preemptible (it borrows); one past a limit on its
         account's path waits for its account's allocation to fall. Returns whether it goes through the queue.
+        Before a ``409 over_quota``, ``refuse_first`` may raise what outranks it (``never_fits``, no agent
+        ready): those would make its advice to send ``"queue": true`` and wait wrong.
         """
         tree, total = self.accounts, record.gpu_memory * record.count
         assert tree is not None
@@ -128,6 +131,8 @@ class Quotas:
         verdict = self.room(account, total)
         if verdict is None or (verdict == "over_quota" and record.preemptible):
             return queue
+        if not queue and refuse_first is not None:
+            refuse_first(record.spec)
         never = self.never(account, total) if verdict == "limit" else None
         if never is not None:
             raise Conflict(f"account {never}'s limit is {format_bytes(tree[never].limit or 0)}; this asks for "

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from gpumgr.manager.placing.free_index import FreeIndex, GpuSlot
 from gpumgr.manager.placing.scheduler import SPREAD, Request
-from gpumgr.wire.errors import NoAgents, NoFit
+from gpumgr.wire.errors import NO_AGENTS, NoAgents, NoFit
 from gpumgr.wire.units import format_bytes
 
 
@@ -27,7 +27,7 @@ def plan_gang(index: FreeIndex, request: Request, replicas: int, one_per_node: b
     ``more`` adds bytes to some GPUs' free memory: what would free there (a preemption being weighed).
     """
     if not index.by_node:
-        raise NoAgents("no agent is ready to take containers; start one with 'gpumgr agent'")
+        raise NoAgents(NO_AGENTS)
     allows = request.constraints.allows if request.constraints.items else None
     spread = request.placement is SPREAD
     free = {s.uuid: s.free + (more.get(s.uuid, 0) if more else 0) for slots in index.by_node.values() for s in slots}

@@ -41,7 +41,7 @@ from gpumgr.manager.placing.free_index import FreeIndex as FreeIndex
 from gpumgr.manager.placing.free_index import GpuSlot as GpuSlot
 from gpumgr.manager.placing.free_index import first_at_least
 from gpumgr.wire.constraints import NO_CONSTRAINTS, Constraints
-from gpumgr.wire.errors import InvalidRequest, NoAgents, NoFit
+from gpumgr.wire.errors import NO_AGENTS, InvalidRequest, NoAgents, NoFit
 from gpumgr.wire.units import format_bytes
 
 #: How a set of GPUs is joined, best first: the weakest link between any two of them. ``groups[i]``
@@ -86,7 +86,7 @@ def place(index: FreeIndex, request: Request) -> list[GpuSlot]:
     memory on the returned slots.
     """
     if not index.by_node:
-        raise NoAgents("no agent is ready to take containers; start one with 'gpumgr agent'")
+        raise NoAgents(NO_AGENTS)
     if request.count < 1:
         raise InvalidRequest("gpus must be at least 1")
     if request.node is not None:

@@ -31,7 +31,7 @@ from gpumgr.manager.placing.scheduler import GpuSlot, Placement, Request, link_o
 from gpumgr.manager.placing.shares import ever_fits, with_share
 from gpumgr.wire import defaults
 from gpumgr.wire.constraints import NO_CONSTRAINTS, Constraints, compiled
-from gpumgr.wire.errors import GpumgrError, InvalidRequest, NoAgents, NoFit
+from gpumgr.wire.errors import NO_AGENTS, GpumgrError, InvalidRequest, NoAgents, NoFit
 from gpumgr.wire.names import LIVE, EventType, State
 from gpumgr.wire.units import format_bytes
 
@@ -201,6 +201,12 @@ class Dispatch:
             raise NoFit(f"no GPU could ever hold this: {format_bytes(memory)} on {spec.count} GPU(s){allowed} of one "
                         f"node, and the largest {where} has is {format_bytes(best)} each; nothing was queued",
                         code="never_fits")
+
+    def check_placeable(self, spec: PlacementSpec) -> None:
+        """The refusals that outrank an account's ``409 over_quota``: ``never_fits``, and no agent ready (503)."""
+        self.check_could_fit(spec)
+        if not self.ledger.index.by_node:
+            raise NoAgents(NO_AGENTS)
 
     def plan_preemption(self, head: Container, same_account: bool = False) -> None:
         """Choose preemptible containers of lower priority whose grants, once freed, let ``head`` fit.
