@@ -89,3 +89,19 @@ def test_a_gang_of_an_account_below_its_fair_share_is_reclaimed_for_whole_and_th
     assert gang["wait_s"] is not None and gang["wait_s"] <= run.stop_s + run.create_s + 1
     assert 0 < gang["gpus_stopped_for_it"] <= gang["gpus_it_needs"] == 16
     assert gang["reclaims_after_placed"] == 0
+
+
+def test_the_pairs_bench_times_three_maps_and_counts_in_accounts() -> None:
+    from bench.accounts_pairs import build, pairs, run
+
+    result = run(20, 3)
+    assert set(result["us_per_pair"]) == {"plain", "tenants", "accounts"}
+    for figures in result["us_per_pair"].values():
+        assert 0 < figures["min"] <= figures["median"] <= figures["max"]
+    assert set(result["ratios"]) == {"accounts/plain", "accounts/tenants", "tenants/plain"}
+    # the accounts map's pairs really go through its accounts (each of the 4 granted to, all released again)
+    cluster, tenants = build("accounts")
+    pairs(cluster, tenants, 8)
+    assert cluster.quotas.allocated == {f"a{i}": 0 for i in range(4)} and not any(cluster.quotas.borrowed.values())
+    plain, none = build("plain")
+    assert none == [None] and plain.accounts is None and plain.tenants is None

@@ -17,11 +17,15 @@ from typing import Any
 
 from gpumgr.manager.clock import SYSTEM, Clock
 from gpumgr.manager.model.records import Container, PlacementSpec
-from gpumgr.manager.tenancy.accounts import Account, AccountTree
+from gpumgr.manager.tenancy.accounts import DEFAULT, AccountTree
 from gpumgr.manager.tenancy.tenants import Principal, Tenant, TenantBook, Usage
 from gpumgr.wire.errors import Conflict, QuotaExceeded
 from gpumgr.wire.names import LIVE, State
 from gpumgr.wire.units import format_bytes
+
+_QUEUED = State.QUEUED
+#: one account on a leaf's path, as the hot path reads it: (name, quota, limit), bytes × GPUs (limit None: no cap)
+_Step = tuple[str, int, int | None]
 
 
 class Quotas:
@@ -39,7 +43,10 @@ class Quotas:
         self.waiting: dict[str, int] = {}
         #: the part of ``allocated`` that is over quota (borrowed, reclaimable): it uses no quota
         self.borrowed: dict[str, int] = {}
-        self._chains: Mapping[str, tuple[Account, ...]] = {}
+        #: each account's path, top first, as plain tuples (read on every grant: no lookups by name, no attributes)
+        self._paths: Mapping[str, tuple[_Step, ...]] = {}
+        #: tenant name → its leaf account (the tree's ``members``)
+        self._leaf_of: Mapping[str, str] = {}
 
     def clear(self) -> None:
         """Forget every tenant's counts (the map starts from nothing; the records that count come back)."""
@@ -52,7 +59,9 @@ class Quotas:
         A live or queued record is moved to the account its tenant has now; ``over_quota`` stays as decided.
         """
         self.accounts = tree
-        self._chains = tree.chains if tree is not None else {}
+        self._paths = {name: tuple((a.name, a.quota, a.limit) for a in chain)
+                       for name, chain in tree.chains.items()} if tree is not None else {}
+        self._leaf_of = tree.members if tree is not None else {}
         self.allocated, self.waiting, self.borrowed = {}, {}, {}
         for record in records:
             live = record.state in LIVE
@@ -66,13 +75,26 @@ class Quotas:
 
     def _add(self, account: str, allocated: int, waiting: int, borrowed: int = 0) -> None:
         """Add to ``account`` and every account above it."""
-        chain = self._chains.get(account)
-        if chain is None:
+        path = self._paths.get(account)
+        if path is None:
             return
         for amount, counts in ((allocated, self.allocated), (waiting, self.waiting), (borrowed, self.borrowed)):
             if amount:
-                for node in chain:
-                    counts[node.name] = counts.get(node.name, 0) + amount
+                for name, _, _ in path:
+                    counts[name] = counts.get(name, 0) + amount
+
+    def _release(self, account: str, total: int, over_quota: bool) -> None:
+        """A live grant of ``total`` in ``account`` ends: :meth:`_add` of ``-total`` live (and borrowed if
+        ``over_quota``), in one pass."""
+        path = self._paths.get(account)
+        if path is None:
+            return
+        allocated, borrowed = self.allocated, self.borrowed
+        for name, _, _ in path:
+            allocated[name] = allocated.get(name, 0) - total
+        if over_quota:
+            for name, _, _ in path:
+                borrowed[name] = borrowed.get(name, 0) - total
 
     def room(self, account: str, memory: int) -> str | None:
         """Whether ``account`` may take ``memory`` more bytes now: None (within every quota on its path),
@@ -82,38 +104,37 @@ class Quotas:
         be reclaimed) use no part of any quota on their path, so a team within its own quota is never turned
         away because a sibling borrowed its part; a limit caps everything.
         """
-        chain = self._chains.get(account)
-        if chain is None:
+        path = self._paths.get(account)
+        if path is None:
             return None
         verdict = None
         allocated, borrowed = self.allocated, self.borrowed
-        for node in chain:
-            held = allocated.get(node.name, 0) + memory
-            if node.limit is not None and held > node.limit:
+        for name, quota, limit in path:
+            held = allocated.get(name, 0) + memory
+            if limit is not None and held > limit:
                 return "limit"
-            if held - borrowed.get(node.name, 0) > node.quota:
+            if held - borrowed.get(name, 0) > quota:
                 verdict = "over_quota"
         return verdict
 
     def _grant(self, record: Container, total: int) -> None:
         """Count live ``record`` in its account's path, deciding in the same pass whether it is over quota."""
-        chain = self._chains.get(record.account or "")
+        path = self._paths.get(record.account or "")
         record.granted_mono = self.clock.monotonic()
-        if chain is None:
+        if path is None:
             record.over_quota = False
             return
         allocated, borrowed = self.allocated, self.borrowed
         over = False
-        for node in chain:
-            name = node.name
+        for name, quota, _ in path:
             held = allocated.get(name, 0) + total
-            if held - borrowed.get(name, 0) > node.quota:
+            if held - borrowed.get(name, 0) > quota:
                 over = True
             allocated[name] = held
         record.over_quota = over
         if over:
-            for node in chain:
-                borrowed[node.name] = borrowed.get(node.name, 0) + total
+            for name, _, _ in path:
+                borrowed[name] = borrowed.get(name, 0) + total
 
     def admit(self, record: Container, queue: bool,
               refuse_first: Callable[[PlacementSpec], None] | None = None) -> bool:
@@ -127,7 +148,8 @@ class Quotas:
         """
         tree, total = self.accounts, record.gpu_memory * record.count
         assert tree is not None
-        record.account = account = tree.account_of(record.tenant)
+        tenant = record.tenant  # tree.account_of, without its call
+        record.account = account = self._leaf_of.get(tenant, DEFAULT) if tenant is not None else DEFAULT
         verdict = self.room(account, total)
         if verdict is None or (verdict == "over_quota" and record.preemptible):
             return queue
@@ -152,33 +174,36 @@ class Quotas:
 
     def never(self, account: str, memory: int) -> str | None:
         """The account on ``account``'s path whose limit ``memory`` alone passes (it can never run), or None."""
-        chain = self._chains.get(account)
-        return None if chain is None else next((n.name for n in chain if n.limit is not None and memory > n.limit),
-                                               None)
+        path = self._paths.get(account, ())
+        return next((name for name, _, limit in path if limit is not None and memory > limit), None)
 
     def count(self, record: Container, sign: int) -> None:
         """``record`` starts (+1) or stops (-1) counting against its tenant, as queued or live by its state."""
-        if record.account is not None:
-            total = record.gpu_memory * record.count
-            if record.state is State.QUEUED:
-                self._add(record.account, 0, sign * total)
-            else:
-                if sign > 0:  # granted: it borrows if its account passes a quota with it, fixed from now
-                    self._grant(record, total)
-                else:
-                    self._add(record.account, -total, 0, -total if record.over_quota else 0)
-        if record.tenant is None:
+        account, tenant = record.account, record.tenant
+        if account is None and tenant is None:
             return
-        use = self._usage.setdefault(record.tenant, Usage())
-        total = record.gpu_memory * record.count
-        use.memory += sign * total
+        total, queued = record.gpu_memory * record.count, record.state is _QUEUED
+        if account is not None:
+            if queued:
+                self._add(account, 0, sign * total)
+            elif sign > 0:  # granted: it borrows if its account passes a quota with it, fixed from now
+                self._grant(record, total)
+            else:
+                self._release(account, total, record.over_quota)
+        if tenant is None:
+            return
+        use = self._usage.get(tenant)
+        if use is None:  # not setdefault(tenant, Usage()): that builds a Usage on every call
+            use = self._usage[tenant] = Usage()
+        change = sign * total
+        use.memory += change
         use.containers += sign
-        if record.state is State.QUEUED:
+        if queued:
             use.queued += sign
-            use.queued_memory += sign * total
+            use.queued_memory += change
         else:
             use.advance(self.clock.time())
-            use.live_memory += sign * total
+            use.live_memory += change
 
     def resized(self, record: Container, delta: int) -> None:
         """``record``'s grant per GPU changes by ``delta`` bytes."""

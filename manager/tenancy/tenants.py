@@ -167,7 +167,7 @@ class TenantBook:
             return sorted(self._tenants.values(), key=lambda t: t.name)
 
 
-@dataclass
+@dataclass(slots=True)
 class Usage:
     """What one tenant holds now, and its GPU memory over time since the manager started.
 
@@ -187,6 +187,7 @@ class Usage:
 
     def advance(self, now: float) -> None:
         """Add the live grants held since the last mark to the granted integral."""
-        if self.marked:
-            self.granted_byte_seconds += self.live_memory * max(0.0, now - self.marked)
+        marked = self.marked
+        if marked and now > marked:  # a clock that stepped back adds nothing (max(0, now - marked), without a call)
+            self.granted_byte_seconds += self.live_memory * (now - marked)
         self.marked = now
