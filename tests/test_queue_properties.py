@@ -219,8 +219,9 @@ def test_without_accounts_the_queue_decides_as_it_did_before_accounts_existed() 
 def everyone_in_default(cluster: Cluster) -> None:
     """One account holds every tenant and the operator (``default``), with a quota no script can reach.
 
-    Twice the capacity, not the capacity itself: at exactly the capacity a request that cannot fit now anyway
-    (the map is full, or never) passes the quota first, and is refused ``over_quota`` instead of ``no_fit``.
+    Twice the capacity, not the capacity itself: at exactly the capacity a request that cannot fit now because
+    the map is full passes the quota first, and is refused ``over_quota`` instead of ``no_fit`` (the issue's
+    rule; ``never_fits`` and ``no_agents`` come before ``over_quota``).
     """
     cluster.accounts = account_tree({"default": {"quota": {"gpu_memory": 2 * queue_trace.CAPACITY}}},
                                     dict.fromkeys(queue_trace.TENANTS))
